@@ -1,0 +1,31 @@
+# `make demo` and `make test` set up .venv themselves (torch 2.9.0 + torch_xla 2.9.0 + fairscale).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PJRT_DEVICE ?= CPU
+
+.PHONY: venv test demo lint clean
+
+venv: $(STAMP)
+
+# Rebuilt when missing or when pyproject.toml changed; otherwise nothing happens.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[xla,fairscale,test,dev]'
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+demo: venv
+	$(PY) examples/conv_stack.py
+
+lint: venv
+	$(PY) -m ruff check xla_wrap tests examples
+	$(PY) -m ruff format --check xla_wrap tests examples
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,54 @@
+"""Test configuration.
+
+XLA reads its flags once, when the first XLA device is created, so they are set here for the
+whole session, before any test touches torch_xla:
+
+* ``PJRT_DEVICE=CPU``: XLA:CPU, which runs on any machine;
+* barriers kept (``--xla_disable_hlo_passes=cse_barrier_expander``): XLA:CPU otherwise deletes
+  every optimization barrier and no checkpointing saves memory (docs/index.md);
+* the concurrency-optimized scheduler pinned on (XLA:CPU's default), so memory figures do not
+  move with the default;
+* ``--xla_dump_to`` a temporary directory, from which ``xla_wrap.introspect`` reads XLA's buffer
+  assignment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+_DUMP_DIR = tempfile.mkdtemp(prefix="xla_wrap_tests_dump_")
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_disable_hlo_passes=cse_barrier_expander",
+        "--xla_cpu_enable_concurrency_optimized_scheduler=true",
+        f"--xla_dump_to={_DUMP_DIR}",
+    ]
+).strip()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_DUMP_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def xla_device() -> torch.device:
+    """The XLA:CPU device; tests that use it are skipped where torch_xla is not installed."""
+    torch_xla = pytest.importorskip("torch_xla")
+    return torch_xla.device()
+
+
+@pytest.fixture(params=["cpu", "xla"])
+def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
+    """Eager CPU and XLA:CPU, for behaviour that must hold on both."""
+    if request.param == "cpu":
+        yield torch.device("cpu")
+    else:
+        yield request.getfixturevalue("xla_device")

@@ -1,0 +1,100 @@
+"""Tiny models and step helpers shared by the tests (small shapes: every XLA compile costs
+seconds, and equal shapes let tests share compiled programs)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+WIDTH = 8
+BATCH = 4
+
+
+class Block(nn.Module):
+    """A residual block with Dropout and keyword arguments, like a transformer MLP block."""
+
+    def __init__(self, width: int = WIDTH, p: float = 0.5) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(
+        self, x: torch.Tensor, *, scale: float = 1.0, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.linear(self.norm(x)))) * scale
+        if mask is not None:
+            h = h * mask
+        return x + h
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = WIDTH, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale=0.5, mask=mask)
+        return self.head(x).sum()
+
+
+def seed_everything(device: torch.device, seed: int) -> None:
+    torch.manual_seed(seed)
+    if device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed, str(device))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def train_step(
+    model: nn.Module, device: torch.device, seed: int, *, x: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """One seeded forward/backward; returns the loss, the input gradient and every parameter
+    gradient, on the CPU."""
+    generator = torch.Generator().manual_seed(1234)
+    if x is None:
+        x = torch.randn(BATCH, WIDTH, generator=generator)
+    x = x.to(device).requires_grad_()
+    mask = (torch.rand(BATCH, WIDTH, generator=generator) > 0.2).float().to(device)
+    for p in model.parameters():
+        p.grad = None
+    seed_everything(device, seed)
+    loss = model(x, mask=mask)
+    loss.backward()
+    sync(device)
+    result = {"loss": loss.detach().cpu(), "input": x.grad.cpu()}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"no gradient for {name}"
+        result[name] = p.grad.cpu()
+    return result
+
+
+def assert_same(
+    expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Bitwise on eager CPU; within 1e-5 relative on XLA:CPU (fusion may reorder arithmetic)."""
+    assert expected.keys() == got.keys()
+    for key in expected:
+        if device.type == "cpu":
+            assert torch.equal(expected[key], got[key]), key
+        else:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def wrapped_copy(model: nn.Module, wrap: Callable[[nn.Module], Any]) -> nn.Module:
+    twin = copy.deepcopy(model)
+    wrap(twin)
+    return twin

@@ -1,0 +1,205 @@
+"""CheckpointWrapper is a transparent proxy; apply_activation_checkpointing wraps in place."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import xla_wrap
+
+from models import WIDTH, Block, Stack
+
+
+class WithExtraState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("kept", torch.arange(3.0))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        self.note = "unset"
+
+    def get_extra_state(self) -> Any:
+        return {"note": self.note}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.note = state["note"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(Stack(), WithExtraState())
+    model[1].note = "saved"
+    return model
+
+
+def wrap_all(model: nn.Module) -> nn.Module:
+    stack = model[0]
+    for i, block in enumerate(stack.blocks):
+        stack.blocks[i] = xla_wrap.checkpoint_wrapper(block)
+    model[1] = xla_wrap.checkpoint_wrapper(model[1])
+    return model
+
+
+def test_parent_sees_the_unwrapped_names() -> None:
+    plain, wrapped = make_model(), wrap_all(make_model())
+    for method in ("named_parameters", "named_buffers"):
+        assert [n for n, _ in getattr(wrapped, method)()] == [
+            n for n, _ in getattr(plain, method)()
+        ]
+    assert [n for n, _ in wrapped.named_modules()] == [n for n, _ in plain.named_modules()]
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    assert not any("checkpoint" in name for name in wrapped.state_dict())
+
+
+def test_state_dict_round_trips_between_wrapped_and_unwrapped_models() -> None:
+    plain, wrapped = make_model(), wrap_all(make_model())
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(1.0)
+    wrapped[1].note = "other"
+    wrapped.load_state_dict(plain.state_dict())
+    for (name, a), b in zip(plain.state_dict().items(), wrapped.state_dict().values(), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+    assert wrapped[1].note == "saved"  # extra state went through the wrapper
+    assert "1.scratch" not in wrapped.state_dict()  # non-persistent buffers stay out
+    fresh = make_model()
+    fresh.load_state_dict(wrapped.state_dict())
+    assert torch.equal(fresh[1].linear.weight, plain[1].linear.weight)
+
+
+def test_attributes_indexing_len_and_iteration_fall_through() -> None:
+    seq = nn.Sequential(nn.Linear(WIDTH, 3), nn.ReLU())
+    wrapped = xla_wrap.checkpoint_wrapper(seq)
+    assert wrapped[0] is seq[0] and len(wrapped) == 2 and list(wrapped) == list(seq)
+    linear = xla_wrap.checkpoint_wrapper(nn.Linear(WIDTH, 3))
+    assert linear.in_features == WIDTH and linear.weight.shape == (3, WIDTH)
+    assert bool(linear) and wrapped.checkpoint_module is seq
+    with pytest.raises(AttributeError):
+        _ = linear.no_such_attribute
+
+
+def test_setting_a_parameter_on_the_wrapper_reaches_the_module() -> None:
+    linear = nn.Linear(WIDTH, 3)
+    wrapped = xla_wrap.checkpoint_wrapper(linear)
+    wrapped.weight = nn.Parameter(torch.zeros(3, WIDTH))
+    assert torch.equal(linear.weight, torch.zeros(3, WIDTH))
+
+
+def test_to_deepcopy_and_pickle_keep_the_proxy_and_the_module_in_step() -> None:
+    wrapped = wrap_all(make_model())
+    as_double = copy.deepcopy(wrapped).to(torch.float64)
+    block = as_double[0].blocks[0]
+    assert block.linear.weight.dtype == torch.float64
+    assert block.checkpoint_module.linear.weight is block.linear.weight
+    assert wrapped[0].blocks[0].linear.weight.dtype == torch.float32  # the copy is independent
+    restored = pickle.loads(pickle.dumps(wrapped))
+    inner = restored[0].blocks[1]
+    assert isinstance(inner, xla_wrap.CheckpointWrapper)
+    assert inner.checkpoint_module.linear.weight is inner.linear.weight
+    assert restored[1].note == "saved"
+    assert "CheckpointWrapper(Block(" in repr(wrapped)
+
+
+def test_train_and_eval_reach_the_wrapped_module() -> None:
+    wrapped = wrap_all(make_model())
+    wrapped.eval()
+    inner = wrapped[0].blocks[0].checkpoint_module
+    assert not inner.training and not inner.drop.training
+    wrapped.train()
+    assert inner.training and inner.drop.training
+
+
+def test_optimizer_over_wrapped_model_sees_the_same_parameters() -> None:
+    plain, wrapped = make_model(), wrap_all(make_model())
+    assert [p.shape for p in wrapped.parameters()] == [p.shape for p in plain.parameters()]
+    block = wrapped[0].blocks[0]
+    assert {id(p) for p in block.parameters()} == {
+        id(p) for p in block.checkpoint_module.parameters()
+    }
+
+
+def test_wrapping_twice_returns_the_wrapper_or_refuses_other_options() -> None:
+    wrapped = xla_wrap.checkpoint_wrapper(Block())
+    assert xla_wrap.checkpoint_wrapper(wrapped) is wrapped
+    with pytest.raises(xla_wrap.CheckpointValueError, match="checkpoint_module"):
+        xla_wrap.checkpoint_wrapper(wrapped, preserve_rng_state=False)
+
+
+# Module trees for apply_activation_checkpointing: each node is a Sequential of children or a
+# Linear leaf; a few modules are shared between two places.
+_trees = st.recursive(
+    st.just("leaf"),
+    lambda children: st.lists(children, min_size=1, max_size=3),
+    max_leaves=8,
+)
+
+
+def _build(spec: Any) -> nn.Module:
+    if spec == "leaf":
+        return nn.Linear(2, 2)
+    return nn.Sequential(*(_build(s) for s in spec))
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=_trees, data=st.data())
+def test_apply_wraps_exactly_the_selected_modules_once_never_the_root(spec: Any, data: Any) -> None:
+    model = _build(spec)
+    modules = list(model.modules())
+    if len(modules) > 2 and data.draw(st.booleans(), label="share a module"):
+        # Put one module at a second place too; it must end up wrapped once, at both places.
+        model.add_module("again", data.draw(st.sampled_from(modules[1:]), label="shared"))
+    chosen = data.draw(st.sets(st.sampled_from(range(len(modules)))), label="chosen")
+    selected = {id(modules[i]) for i in chosen}
+    names_before = [n for n, _ in model.named_parameters()]
+    seen: list[int] = []
+
+    def check_fn(module: nn.Module) -> bool:
+        seen.append(id(module))
+        return id(module) in selected
+
+    result = xla_wrap.apply_activation_checkpointing(model, check_fn)
+    assert result is model and not isinstance(model, xla_wrap.CheckpointWrapper)
+    assert id(model) not in seen  # the root is never offered
+    assert len(seen) == len(set(seen))  # nothing is considered (so wrapped) twice
+    wrappers = {id(m): m for m in model.modules() if isinstance(m, xla_wrap.CheckpointWrapper)}
+    assert {id(w.checkpoint_module) for w in wrappers.values()} == selected - {id(model)}
+    for wrapper in wrappers.values():
+        assert not isinstance(wrapper.checkpoint_module, xla_wrap.CheckpointWrapper)
+    assert [n for n, _ in model.named_parameters()] == names_before
+    x = torch.randn(3, 2, requires_grad=True)
+    model(x).sum().backward()  # every layer maps 2 -> 2, so the wrapped tree still runs
+    assert x.grad is not None
+
+
+def test_apply_visits_children_before_parents() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
+    order: list[str] = []
+
+    def check_fn(module: nn.Module) -> bool:
+        order.append(type(module).__name__ + str(len(list(module.children()))))
+        return isinstance(module, nn.Linear)
+
+    xla_wrap.apply_activation_checkpointing(model, check_fn)
+    assert order == ["Linear0", "Sequential1", "Linear0"]
+    assert isinstance(model[0][0], xla_wrap.CheckpointWrapper)
+
+
+def test_apply_passes_wrapper_options_and_rejects_bad_arguments() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    xla_wrap.apply_activation_checkpointing(model, lambda m: True, preserve_rng_state=False)
+    assert model[0].checkpoint_options.preserve_rng_state is False
+    with pytest.raises(TypeError, match="apply_activation_checkpointing: expected a callable"):
+        xla_wrap.apply_activation_checkpointing(model, "Linear")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        xla_wrap.apply_activation_checkpointing([nn.Linear(2, 2)], lambda m: True)  # type: ignore[type-var]

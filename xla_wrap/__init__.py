@@ -1,0 +1,39 @@
+"""xla_wrap: activation checkpointing that saves memory on PyTorch/XLA and leaves training
+unchanged.
+
+XLA compiles a whole training step into one program. Recomputed activations look identical to
+the forward's, so XLA's common-subexpression elimination merges them back and no memory is
+saved. xla_wrap recomputes behind an optimization barrier that keeps gradients flowing, replays
+the CPU/CUDA/XLA random generators so Dropout recomputes exactly, and presents wrapped modules
+under their original names.
+"""
+
+from ._apply import apply_activation_checkpointing as apply_activation_checkpointing
+from ._barrier import optimization_barrier as optimization_barrier
+from ._checkpoint import checkpoint as checkpoint
+from ._checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._errors import CheckpointError as CheckpointError
+from ._errors import CheckpointTypeError as CheckpointTypeError
+from ._errors import CheckpointValueError as CheckpointValueError
+from ._errors import XlaWrapError as XlaWrapError
+from ._state import is_recomputing as is_recomputing
+from ._wrapper import CheckpointOptions as CheckpointOptions
+from ._wrapper import CheckpointWrapper as CheckpointWrapper
+from ._wrapper import checkpoint_wrapper as checkpoint_wrapper
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointOptions",
+    "CheckpointTypeError",
+    "CheckpointValueError",
+    "CheckpointWrapper",
+    "XlaWrapError",
+    "apply_activation_checkpointing",
+    "checkpoint",
+    "checkpoint_sequential",
+    "checkpoint_wrapper",
+    "is_recomputing",
+    "optimization_barrier",
+]

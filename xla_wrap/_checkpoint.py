@@ -1,0 +1,207 @@
+"""``checkpoint`` and ``checkpoint_sequential``: the functional entry points."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import CheckpointTypeError, CheckpointValueError, describe
+from ._function import CheckpointCall, CheckpointFunction
+from ._module_tensors import ModuleTensors
+from ._tree import Flat
+
+
+def run_checkpointed(
+    api: str,
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    owners: Iterable[nn.Module],
+    preserve_rng_state: bool,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` as a checkpoint whose barrier also covers the
+    parameters and buffers of ``owners``. Outside autograd it is a plain call."""
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    inputs = Flat.of((args, kwargs))
+    call = CheckpointCall(
+        api=api,
+        function=function,
+        inputs=inputs,
+        owners=ModuleTensors.of(owners),
+        preserve_rng_state=preserve_rng_state,
+    )
+    tensors = (*inputs.tensors, *call.owners.params)
+    anchor = None
+    if not any(t.requires_grad for t in tensors):
+        anchor = torch.empty(0, requires_grad=True)
+    outputs = CheckpointFunction.apply(call, anchor, *tensors)
+    assert call.outputs is not None
+    return call.outputs.rebuild(outputs)
+
+
+def owning_modules(function: Callable[..., Any]) -> list[nn.Module]:
+    """The module whose parameters ``function`` reads: the module itself, the owner of a bound
+    method, or either of those inside ``functools.partial`` (as transformers passes layers)."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if isinstance(function, nn.Module):
+        return [function]
+    owner = getattr(function, "__self__", None)
+    return [owner] if isinstance(owner, nn.Module) else []
+
+
+def _check_reentrant(api: str, use_reentrant: bool | None) -> None:
+    if use_reentrant is False:
+        raise NotImplementedError(
+            f"{api}: use_reentrant=False is not available yet; the non-reentrant engine is "
+            "planned. Omit the argument (or pass True) and call `loss.backward()`."
+        )
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in
+    backward behind an optimization barrier so XLA keeps the saving.
+
+    Inputs and outputs may nest tuples, lists and dicts and contain non-tensor values. When
+    ``function`` is an ``nn.Module``, a bound method of one, or a ``functools.partial`` of
+    either, that module's parameters and buffers join the barrier and receive gradients even
+    when no input requires grad. Under ``torch.no_grad()`` this is a plain call.
+
+    Args:
+        function: The callable to checkpoint.
+        *args: Positional arguments for ``function``.
+        preserve_rng_state: Replay the CPU, CUDA and XLA generators so that random ops
+            (Dropout) draw the same numbers in the recomputation as in the forward.
+        use_reentrant: Accepted for compatibility with ``torch.utils.checkpoint``; only the
+            reentrant engine exists so far, so ``False`` raises ``NotImplementedError``.
+        **kwargs: Keyword arguments for ``function``.
+
+    Returns:
+        What ``function`` returns.
+
+    Raises:
+        CheckpointTypeError: If ``function`` is not callable.
+        CheckpointError: In backward, if the recomputation returns a different structure,
+            shape or dtype than the forward did, or if backward was called through
+            ``torch.autograd.grad``.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(2, 4)
+        >>> y = xla_wrap.checkpoint(layer, x)
+        >>> y.sum().backward()
+        >>> layer.weight.grad.shape
+        torch.Size([4, 4])
+    """
+    if not callable(function):
+        raise CheckpointTypeError(
+            f"xla_wrap.checkpoint: expected a callable as `function`, got {describe(function)}. "
+            "Pass the module or function to run, then its arguments: "
+            "`checkpoint(block, x, mask=m)`."
+        )
+    _check_reentrant("xla_wrap.checkpoint", use_reentrant)
+    return run_checkpointed(
+        "xla_wrap.checkpoint",
+        function,
+        args,
+        kwargs,
+        owners=owning_modules(function),
+        preserve_rng_state=preserve_rng_state,
+    )
+
+
+def checkpoint_sequential(
+    functions: nn.Sequential | Sequence[Callable[..., Any]],
+    segments: int,
+    input: Any,
+    *,
+    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+) -> Any:
+    """Run a sequence of callables in ``segments`` chunks, checkpointing all but the last chunk.
+
+    Same contract as ``torch.utils.checkpoint.checkpoint_sequential``: each callable takes the
+    previous one's output. The last chunk runs normally because its activations are needed
+    right away by backward. The parameters of the modules in a chunk join that chunk's barrier.
+
+    Args:
+        functions: An ``nn.Sequential`` or a sequence of modules or functions.
+        segments: How many chunks to split ``functions`` into (1 to ``len(functions)``).
+        input: The input of the first callable.
+        preserve_rng_state: As for :func:`checkpoint`.
+        use_reentrant: As for :func:`checkpoint`.
+
+    Returns:
+        The output of the last callable.
+
+    Raises:
+        CheckpointTypeError: If ``functions`` is not a sequence of callables.
+        CheckpointValueError: If ``segments`` is not between 1 and ``len(functions)``.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+        >>> y = xla_wrap.checkpoint_sequential(model, 2, torch.randn(2, 4))
+        >>> y.shape
+        torch.Size([2, 4])
+    """
+    api = "xla_wrap.checkpoint_sequential"
+    if isinstance(functions, nn.Sequential):
+        items: list[Any] = list(functions)
+    elif isinstance(functions, (list, tuple, nn.ModuleList)):
+        items = list(functions)
+    else:
+        raise CheckpointTypeError(
+            f"{api}: expected an nn.Sequential or a list of callables as `functions`, got "
+            f"{describe(functions)}. Wrap the layers: `checkpoint_sequential(nn.Sequential(...), "
+            "segments, x)`."
+        )
+    for index, item in enumerate(items):
+        if not callable(item):
+            raise CheckpointTypeError(
+                f"{api}: expected every element of `functions` to be callable, got "
+                f"{describe(item)} at position {index}. Pass modules or functions only."
+            )
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise CheckpointTypeError(
+            f"{api}: expected an int as `segments`, got {describe(segments)}. Pass how many "
+            "chunks to split the layers into."
+        )
+    if not 1 <= segments <= len(items):
+        raise CheckpointValueError(
+            f"{api}: expected `segments` between 1 and {len(items)} (the number of layers), got "
+            f"{segments}. Choose fewer segments or pass more layers."
+        )
+    _check_reentrant(api, use_reentrant)
+
+    def run(chunk: list[Any]) -> Callable[[Any], Any]:
+        def forward(value: Any) -> Any:
+            for item in chunk:
+                value = item(value)
+            return value
+
+        return forward
+
+    size = len(items) // segments
+    start = 0
+    for _ in range(segments - 1):
+        chunk = items[start : start + size]
+        modules = [m for f in chunk for m in owning_modules(f)]
+        input = run_checkpointed(
+            api, run(chunk), (input,), {}, owners=modules, preserve_rng_state=preserve_rng_state
+        )
+        start += size
+    return run(items[start:])(input)

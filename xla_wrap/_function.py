@@ -1,0 +1,163 @@
+"""The autograd Function behind every xla_wrap checkpoint.
+
+Forward runs the callable without recording a graph and saves only its tensor inputs. Backward
+follows the recipe that makes rematerialization survive XLA (JAX's, and the seed discussion's):
+
+1. the saved inputs, the incoming output gradients, and the parameters and buffers of the
+   owning modules go through **one** optimization barrier together. Recomputing from the
+   barrier's outputs makes the recomputation a different value for XLA (common-subexpression
+   elimination cannot merge it back into the forward) and makes it wait for the gradients (it
+   cannot be scheduled early, where it would keep activations alive again);
+2. the callable runs again on those barriered values, with the forward's RNG and autocast state;
+3. gradients flow from the incoming gradients through the recomputed graph.
+
+Parameters are explicit inputs of the Function, so a block whose inputs need no gradient (the
+first layer) still gives its parameters gradients. Tensors the callable reaches by other routes
+(FSDP's views of flattened parameters, closures) receive gradients through the recomputed graph
+itself; when no explicit input needs a gradient, an empty *anchor* tensor that requires one
+keeps the Function in the autograd graph so that this backward runs at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _autocast, _rng, _xla
+from ._barrier import barriered
+from ._errors import CheckpointError
+from ._module_tensors import ModuleTensors
+from ._state import recomputing
+from ._tree import Flat, TensorMeta
+
+
+@dataclass
+class CheckpointCall:
+    """One checkpointed call: what to run, on what, and what its forward recorded."""
+
+    api: str
+    function: Callable[..., Any]
+    inputs: Flat  # flattened (args, kwargs)
+    owners: ModuleTensors
+    preserve_rng_state: bool
+    rng: _rng.RngSnapshot | None = None
+    autocast: _autocast.AutocastSnapshot | None = None
+    outputs: Flat | None = field(default=None, repr=False)
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> Any:
+        args, kwargs = self.inputs.rebuild(inputs)
+        return self.function(*args, **kwargs)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """``apply(call, anchor, *input_tensors, *params)`` -> the output tensors of ``call``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, call: CheckpointCall, anchor: torch.Tensor | None, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        inputs = tensors[: len(call.inputs.tensor_positions)]
+        ctx.call = call
+        ctx.params = call.owners.params
+        ctx.save_for_backward(*inputs)
+        if call.preserve_rng_state:
+            call.rng = _rng.capture([*tensors, *call.owners.buffers])
+        call.autocast = _autocast.capture()
+        outputs = Flat.of(call.run(inputs))
+        # Keep structure and non-tensor values only: holding the output tensors here would
+        # make a reference cycle through their grad_fn.
+        call.outputs = outputs.without_tensors()
+        call.inputs = call.inputs.without_tensors()
+        ctx.set_materialize_grads(False)
+        out = outputs.tensors
+        not_differentiable = [t for t in out if not (t.is_floating_point() or t.is_complex())]
+        if not_differentiable:
+            ctx.mark_non_differentiable(*not_differentiable)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: CheckpointCall = ctx.call
+        if not torch.autograd._is_checkpoint_valid():
+            raise CheckpointError(
+                f"{call.api}: checkpointed blocks support `loss.backward()` only, got "
+                "`torch.autograd.grad(...)` or `backward(inputs=...)`. The recomputation "
+                "accumulates gradients into every leaf it reaches, which those calls forbid. "
+                "Call `loss.backward()` and read `.grad`."
+            )
+        inputs = ctx.saved_tensors
+        params: tuple[torch.Tensor, ...] = ctx.params
+        buffers = call.owners.buffers
+        present = [i for i, g in enumerate(grads) if g is not None]
+        incoming = [g for g in grads if g is not None]
+        n_in, n_grad, n_param = len(inputs), len(present), len(params)
+        # Saved inputs and incoming gradients are rewritten in place (their other readers then
+        # need no pre-barrier copy); parameters and buffers are copied (module state stays).
+        copies = barriered(
+            [*inputs, *incoming, *params, *buffers],
+            in_place=[True] * (n_in + n_grad) + [False] * (n_param + len(buffers)),
+        )
+        input_copies = copies[:n_in]
+        grad_copies = copies[n_in : n_in + n_grad]
+        param_copies = copies[n_in + n_grad : n_in + n_grad + n_param]
+        # The recomputation may update buffers in place (BatchNorm statistics); it gets its own
+        # copies so the update happens once. On XLA the barrier output is already a new value.
+        buffer_copies = [
+            b if _xla.is_xla_tensor(b) else b.clone() for b in copies[n_in + n_grad + n_param :]
+        ]
+        for copy, needs_grad in zip(input_copies, ctx.needs_input_grad[2:], strict=False):
+            copy.requires_grad_(needs_grad)
+        for copy, param in zip(param_copies, params, strict=True):
+            copy.requires_grad_(param.requires_grad)
+
+        with ExitStack() as stack:
+            stack.enter_context(recomputing())
+            stack.enter_context(_xla.checkpoint_backward_status())
+            if call.rng is not None:
+                stack.enter_context(_rng.replay(call.rng))
+            if call.autocast is not None:
+                stack.enter_context(_autocast.replay(call.autocast))
+            stack.enter_context(call.owners.substituted(param_copies, buffer_copies))
+            stack.enter_context(torch.enable_grad())
+            recomputed = Flat.of(call.run(input_copies))
+
+        assert call.outputs is not None
+        _check_same_outputs(call, call.outputs, recomputed)
+        pairs = [
+            (recomputed.tensors[i], g)
+            for i, g in zip(present, grad_copies, strict=True)
+            if recomputed.tensors[i].requires_grad
+        ]
+        if pairs:
+            outs, out_grads = zip(*pairs, strict=True)
+            torch.autograd.backward(outs, out_grads)
+        input_grads = [c.grad if c.requires_grad else None for c in input_copies]
+        param_grads = [c.grad if c.requires_grad else None for c in param_copies]
+        return (None, None, *input_grads, *param_grads)
+
+
+def _check_same_outputs(call: CheckpointCall, forward: Flat, again: Flat) -> None:
+    """Refuse a recomputation that does not match the forward: its gradients would be wrong."""
+    problem = None
+    if forward.spec != again.spec or forward.tensor_positions != again.tensor_positions:
+        problem = (
+            f"a value of structure {again.spec} with tensors at leaves "
+            f"{list(again.tensor_positions)}, where the forward returned structure "
+            f"{forward.spec} with tensors at leaves {list(forward.tensor_positions)}"
+        )
+    else:
+        for position in forward.tensor_positions:
+            expected, got = forward.leaves[position], TensorMeta.of(again.leaves[position])
+            if expected != got:
+                problem = f"{got} at output leaf {position}, where the forward returned {expected}"
+                break
+    if problem is not None:
+        raise CheckpointError(
+            f"{call.api}: the recomputation in backward returned {problem}. A checkpointed "
+            "callable must give the same outputs when run again on the same inputs; branch on "
+            "`xla_wrap.is_recomputing()` only for side effects, never for what it returns."
+        )

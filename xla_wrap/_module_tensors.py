@@ -1,0 +1,77 @@
+"""The parameters and buffers a checkpointed callable reads, and swapping them for the
+recomputation.
+
+The recomputation must read barriered copies of the parameters and buffers, not the originals:
+then XLA cannot merge it with the forward, nor start it before the gradient arrives. Writing
+the copies into the modules' own ``_parameters``/``_buffers`` slots for the duration of the
+recomputation works for any callable that reaches them through the module (``forward``, other
+methods, ``functools.partial`` of ``__call__``) and also keeps buffer updates made during the
+recomputation (BatchNorm running statistics) out of the real buffers, so they happen once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# (the dict that holds the tensor, its key, the index of the tensor in the deduplicated list)
+_Slot = tuple[dict[str, torch.Tensor | None], str, int]
+
+
+@dataclass(frozen=True)
+class ModuleTensors:
+    """The distinct parameters and buffers of some modules and every slot that holds them."""
+
+    params: tuple[torch.Tensor, ...]
+    buffers: tuple[torch.Tensor, ...]
+    param_slots: tuple[_Slot, ...]
+    buffer_slots: tuple[_Slot, ...]
+
+    @classmethod
+    def of(cls, modules: Iterable[nn.Module]) -> ModuleTensors:
+        found: dict[str, tuple[list[torch.Tensor], list[_Slot]]] = {
+            "_parameters": ([], []),
+            "_buffers": ([], []),
+        }
+        index_of: dict[int, int] = {}
+        seen_modules: set[int] = set()
+        for root in modules:
+            for module in root.modules():
+                if id(module) in seen_modules:
+                    continue
+                seen_modules.add(id(module))
+                for kind, (tensors, slots) in found.items():
+                    holder: dict[str, torch.Tensor | None] = getattr(module, kind)
+                    for name, tensor in holder.items():
+                        if tensor is None:
+                            continue
+                        # Tied tensors are one input with several slots.
+                        if id(tensor) not in index_of:
+                            index_of[id(tensor)] = len(tensors)
+                            tensors.append(tensor)
+                        slots.append((holder, name, index_of[id(tensor)]))
+        (params, param_slots), (buffers, buffer_slots) = found.values()
+        return cls(tuple(params), tuple(buffers), tuple(param_slots), tuple(buffer_slots))
+
+    @contextmanager
+    def substituted(
+        self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
+    ) -> Iterator[None]:
+        """Let the modules read ``params``/``buffers`` in place of their own inside the block."""
+        saved: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
+        try:
+            for slots_list, replacements in (
+                (self.param_slots, params),
+                (self.buffer_slots, buffers),
+            ):
+                for slots, name, index in slots_list:
+                    saved.append((slots, name, slots[name]))
+                    slots[name] = replacements[index]
+            yield
+        finally:
+            for slots, name, original in reversed(saved):
+                slots[name] = original

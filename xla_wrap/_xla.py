@@ -1,0 +1,145 @@
+"""The one gateway to torch_xla.
+
+torch_xla is optional: xla_wrap imports on plain CPU/CUDA torch, and nothing here imports
+torch_xla on its own initiative. A tensor can only live on an XLA device once torch_xla is
+loaded, so every question about XLA is answered from ``sys.modules``; the rest of the package
+asks these functions and never touches torch_xla directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from types import ModuleType
+
+import torch
+
+# The pass that deletes every opt-barrier on XLA:CPU before CSE (see docs/index.md).
+BARRIER_STRIPPING_PASS = "cse_barrier_expander"
+KEEP_BARRIERS_FLAG = f"--xla_disable_hlo_passes={BARRIER_STRIPPING_PASS}"
+
+# XLA advances each device's base seed at every step marker with this affine map
+# (LazyGraphExecutor::DeviceContextArena::MarkStep); xla_wrap must reproduce it to give the
+# next step the seed it would have had without checkpointing.
+_STEP_SEED_MUL = 7012063
+_STEP_SEED_ADD = 1012031
+_SEED_MASK = (1 << 64) - 1
+
+
+def _loaded(name: str) -> ModuleType | None:
+    return sys.modules.get(name)
+
+
+def is_xla_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives on an XLA device."""
+    return tensor.device.type == "xla"
+
+
+def xla_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
+    """The distinct XLA devices among ``tensors``, in first-seen order."""
+    seen: dict[torch.device, None] = {}
+    for tensor in tensors:
+        if is_xla_tensor(tensor):
+            seen.setdefault(tensor.device, None)
+    return list(seen)
+
+
+def barrier_(tensors: Sequence[torch.Tensor]) -> None:
+    """Put the XLA tensors of ``tensors`` through one optimization barrier per device, in place.
+
+    One barrier over all of them ties them together: XLA cannot compute anything that reads one
+    barrier output before every input of the barrier exists, and cannot treat an output as the
+    same value as its input (so common-subexpression elimination cannot merge work across it).
+    The in-place form keeps autograd out of it; callers pass fresh detached copies.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if is_xla_tensor(tensor):
+            by_device.setdefault(tensor.device, []).append(tensor)
+    if not by_device:
+        return
+    xm = _loaded("torch_xla.core.xla_model")
+    assert xm is not None  # a tensor on XLA implies torch_xla is loaded
+    for group in by_device.values():
+        xm.optimization_barrier_(group)
+
+
+def rng_state(device: torch.device) -> int:
+    """The running RNG seed of an XLA device (what its next random op will advance from)."""
+    xm = _loaded("torch_xla.core.xla_model")
+    assert xm is not None  # only called with XLA devices
+    return int(xm.get_rng_state(str(device)))
+
+
+def set_rng_state(device: torch.device, seed: int) -> None:
+    """Set both the running and the base RNG seed of an XLA device."""
+    xm = _loaded("torch_xla.core.xla_model")
+    assert xm is not None
+    xm.set_rng_state(seed, str(device))
+
+
+def base_seed(device: torch.device) -> int:
+    """The base seed of an XLA device: the seed its step started from.
+
+    Reading it restarts the device's pending seed chain at the base seed, so call it only right
+    before :func:`set_rng_state` overwrites the state anyway.
+    """
+    torch_xla = _loaded("torch_xla")
+    assert torch_xla is not None
+    return int(torch_xla._XLAC._get_base_seed_as_tensor(str(device)).cpu().item())
+
+
+def next_step_seed(seed: int) -> int:
+    """The base seed XLA gives the next step when this step's base seed is ``seed``."""
+    return (_STEP_SEED_ADD + seed * _STEP_SEED_MUL) & _SEED_MASK
+
+
+def add_step_closure(closure: Callable[[], None]) -> None:
+    """Run ``closure`` after the next step marker (``torch_xla.sync()``)."""
+    xm = _loaded("torch_xla.core.xla_model")
+    assert xm is not None
+    xm.add_step_closure(closure)
+
+
+@contextmanager
+def checkpoint_backward_status() -> Iterator[None]:
+    """Tell XLA FSDP that a checkpointed block is being recomputed in backward.
+
+    XLA FSDP reads ``torch_xla.utils.checkpoint.chkpt_status.in_chkpt_bwd`` to skip resharding
+    parameters it is about to gather again. torch_xla's own checkpoint sets it and never resets
+    it on error; here the previous value comes back in ``finally``.
+    """
+    module = _loaded("torch_xla.utils.checkpoint")
+    status = getattr(module, "chkpt_status", None)
+    if status is None:
+        yield
+        return
+    previous = status.in_chkpt_bwd
+    status.in_chkpt_bwd = True
+    try:
+        yield
+    finally:
+        status.in_chkpt_bwd = previous
+
+
+def barrier_stripping_active(device_type: str, xla_flags: str | None = None) -> bool:
+    """Whether XLA will delete optimization barriers before CSE on this backend.
+
+    The XLA:CPU pipeline runs ``cse_barrier_expander`` before CSE unless the pass is disabled in
+    ``XLA_FLAGS``; then checkpointing saves no memory there. GPU expands barriers only after
+    scheduling and TPU keeps them, so neither strips them early.
+
+    Args:
+        device_type: torch_xla's device type (``"CPU"``, ``"TPU"``, ``"CUDA"``, ...).
+        xla_flags: The flags to inspect; ``XLA_FLAGS`` from the environment when omitted.
+    """
+    if device_type.upper() != "CPU":
+        return False
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    for flag in flags.split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_disable_hlo_passes" and BARRIER_STRIPPING_PASS in value.split(","):
+            return False
+    return True
