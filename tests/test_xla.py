@@ -27,6 +27,17 @@ def _barrier_operand_types(hlo: str) -> list[str]:
     return re.findall(r"= \((.*?)\) opt-barrier\(", hlo)
 
 
+def _used_barrier_outputs(hlo: str) -> list[str]:
+    """Shapes of the barrier outputs that some instruction reads (the recomputation's inputs)."""
+    shapes = []
+    for name, shape in re.findall(
+        r"(%get-tuple-element\.\d+) = (\S+) get-tuple-element\(.*%opt-barrier\.\d+\)", hlo
+    ):
+        if re.search(rf"{re.escape(name)}[,)]", hlo.split(f"{name} = ", 1)[1]):
+            shapes.append(shape.split("{")[0])
+    return shapes
+
+
 def test_xla_rng_stream_and_state_match_unwrapped_across_steps(xla_device: torch.device) -> None:
     import torch_xla.core.xla_model as xm
 
@@ -95,6 +106,9 @@ def test_backward_barrier_ties_inputs_gradients_and_parameters(
     # saved input and incoming gradient (f32[4,8]), weight f32[8,8], and the 1-D parameters
     assert operands.count(f"f32[{BATCH},{WIDTH}]") == 2
     assert f"f32[{WIDTH},{WIDTH}]" in operands
+    # The recomputation reads the barriered input, gradient and weight, not the originals.
+    used = _used_barrier_outputs(hlo)
+    assert used.count(f"f32[{BATCH},{WIDTH}]") == 2 and f"f32[{WIDTH},{WIDTH}]" in used
 
 
 def test_optimization_barrier_before_the_loss_leaves_training_unchanged(
