@@ -34,6 +34,17 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 
 
+# The XLA device must exist before the first backward of the process: PyTorch's autograd engine
+# sizes its per-device queues when it first starts, and an XLA backward after an eager one
+# otherwise fails with "device_ready_queues_ ... INTERNAL ASSERT FAILED".
+try:
+    import torch_xla
+except ImportError:  # eager-only environments still run the eager tests
+    torch_xla = None
+if torch_xla is not None:
+    torch_xla.device()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_DUMP_DIR, ignore_errors=True)
 

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import xla_wrap
-from models import BATCH, WIDTH, Block, Stack, seed_everything, train_step, wrapped_copy
 from xla_wrap import introspect
+
+from models import BATCH, WIDTH, Block, Stack, seed_everything, train_step, wrapped_copy
 
 pytestmark = pytest.mark.xla
 
