@@ -14,7 +14,17 @@ from torch import nn
 
 import xla_wrap
 
-from models import BATCH, WIDTH, Block, Stack, assert_same, train_step, wrapped_copy
+from models import (
+    BATCH,
+    WIDTH,
+    Block,
+    Stack,
+    assert_same,
+    seed_everything,
+    sync,
+    train_step,
+    wrapped_copy,
+)
 
 
 def wrap_blocks(model: nn.Module) -> None:
@@ -421,3 +431,51 @@ def test_cuda_dropout_recomputes_exactly() -> None:
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
     assert torch.equal(torch.cuda.get_rng_state(), torch.cuda.get_rng_state())
+
+
+@pytest.mark.parametrize(
+    "function",
+    [
+        pytest.param(lambda x, w: x, id="returns-its-input"),
+        pytest.param(lambda x, w: (x[0], x @ w), id="view-of-input"),
+        pytest.param(lambda x, w: (x @ w, x @ w.t()), id="two-outputs"),
+    ],
+)
+def test_unusual_but_valid_functions_match_unwrapped(device: torch.device, function: Any) -> None:
+    w = torch.randn(WIDTH, WIDTH, device=device, requires_grad=True)
+    x0 = torch.randn(2, BATCH, WIDTH)
+    grads = []
+    for run in (function, lambda x, w: xla_wrap.checkpoint(function, x, w)):
+        x = x0.to(device).requires_grad_()
+        w.grad = None
+        out = run(x, w)
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() for o in outs).backward()
+        grads.append((x.grad.cpu(), None if w.grad is None else w.grad.cpu()))
+    (xa, wa), (xb, wb) = grads
+    torch.testing.assert_close(xb, xa, rtol=1e-5, atol=1e-6)
+    assert (wa is None) == (wb is None)
+    if wa is not None:
+        torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-6)
+
+
+def test_closure_parameters_get_gradients_when_no_input_needs_grad(device: torch.device) -> None:
+    """The FSDP-flattening case: the block's weights are not parameters it owns, and its input
+    needs no grad; an anchor keeps the recomputation in the backward."""
+    torch.manual_seed(0)
+    w = torch.randn(WIDTH, WIDTH, device=device, requires_grad=True)
+    drop = nn.Dropout(0.5)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return drop(torch.tanh(x @ w))
+
+    x = torch.randn(BATCH, WIDTH).to(device)
+    grads = []
+    for run in (block, lambda t: xla_wrap.checkpoint(block, t)):
+        w.grad = None
+        seed_everything(device, 9)
+        run(x).sum().backward()
+        sync(device)
+        grads.append(w.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    assert grads[0].abs().sum() > 0
