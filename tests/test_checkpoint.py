@@ -196,7 +196,14 @@ def test_checkpoint_finds_parameters_of_module_method_and_partial(make_function:
     expected = [p.grad.clone() for p in block.parameters()]
     block.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    xla_wrap.checkpoint(make_function(block), x, scale=2.0).sum().backward()
+    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0)
+    # The parameters are explicit inputs of the checkpoint (so they join its barrier): the
+    # backward node leads straight to their gradient accumulators.
+    accumulated = {
+        id(node.variable) for node, _ in y.grad_fn.next_functions if hasattr(node, "variable")
+    }
+    assert accumulated == {id(p) for p in block.parameters()}
+    y.sum().backward()
     for a, p in zip(expected, block.parameters(), strict=True):
         assert torch.equal(a, p.grad)
 
@@ -261,16 +268,26 @@ def test_is_recomputing_is_true_only_inside_the_recomputation_and_per_thread() -
     assert not xla_wrap.is_recomputing()
 
 
-def test_is_recomputing_resets_after_an_error_in_the_recomputation() -> None:
-    def function(x: torch.Tensor) -> torch.Tensor:
-        if xla_wrap.is_recomputing():
-            raise ValueError("boom")
-        return x * 2
+def test_state_is_restored_after_an_error_in_the_recomputation() -> None:
+    block = nn.BatchNorm1d(WIDTH)
+    weight, mean = block.weight, block.running_mean
 
-    y = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True))
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = block
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if xla_wrap.is_recomputing():
+                raise ValueError("boom")
+            return self.norm(x)
+
+    y = xla_wrap.checkpoint_wrapper(Failing())(torch.randn(BATCH, WIDTH, requires_grad=True))
     with pytest.raises(ValueError, match="boom"):
         y.sum().backward()
     assert not xla_wrap.is_recomputing()
+    # The barriered copies swapped in for the recomputation are gone again.
+    assert block.weight is weight and block.running_mean is mean
 
 
 def test_autocast_of_the_forward_is_restored_in_the_recomputation() -> None:
@@ -427,10 +444,11 @@ def test_cuda_dropout_recomputes_exactly() -> None:
     model = Stack().to(device)
     twin = wrapped_copy(model, wrap_blocks)
     expected = train_step(model, device, seed=7)
+    after_plain = torch.cuda.get_rng_state()
     got = train_step(twin, device, seed=7)
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
-    assert torch.equal(torch.cuda.get_rng_state(), torch.cuda.get_rng_state())
+    assert torch.equal(torch.cuda.get_rng_state(), after_plain)
 
 
 @pytest.mark.parametrize(
@@ -479,3 +497,64 @@ def test_closure_parameters_get_gradients_when_no_input_needs_grad(device: torch
         grads.append(w.grad.cpu())
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
     assert grads[0].abs().sum() > 0
+
+
+def test_callable_that_modifies_its_input_in_place_is_refused(device: torch.device) -> None:
+    linear = nn.Linear(3, 1).to(device)
+    x = torch.ones(2, 3, device=device)
+    with pytest.raises(xla_wrap.CheckpointError, match=r"modified its input tensor 0.*in place"):
+        xla_wrap.checkpoint(lambda t: linear(t.mul_(2)), x)
+    h = torch.randn(2, 3, device=device, requires_grad=True) * 1  # a non-leaf activation
+    block = xla_wrap.checkpoint_wrapper(nn.Sequential(nn.ReLU(inplace=True), linear))
+    with pytest.raises(xla_wrap.CheckpointError, match=r"ReLU\(inplace=False\)"):
+        block(h)
+
+
+class RunningScale(nn.Module):
+    """Reads a buffer, then updates it in place (an exponential moving average)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("scale", torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x) * self.scale.clone()
+        with torch.no_grad():
+            self.scale.mul_(0.5).add_(x.detach().abs().mean(0))
+        return out
+
+
+def test_buffer_updated_in_place_by_the_forward_is_recomputed_as_read(
+    device: torch.device,
+) -> None:
+    torch.manual_seed(0)
+    plain = RunningScale().to(device)
+    wrapped = xla_wrap.checkpoint_wrapper(RunningScale().to(device))
+    wrapped.load_state_dict(plain.state_dict())
+    x0 = torch.randn(BATCH, WIDTH)
+    results = []
+    for module in (plain, wrapped):
+        x = x0.to(device).requires_grad_()
+        module(x).pow(2).sum().backward()
+        sync(device)
+        results.append([x.grad.cpu(), module.linear.weight.grad.cpu(), module.scale.cpu()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_returning_a_buffer_leaves_the_buffer_out_of_autograd() -> None:
+    class WithBuffer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(WIDTH, WIDTH)
+            self.register_buffer("table", torch.arange(4.0))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.linear(x), self.table
+
+    wrapped = xla_wrap.checkpoint_wrapper(WithBuffer())
+    y, table = wrapped(torch.randn(BATCH, WIDTH, requires_grad=True))
+    (y.sum() + table.sum()).backward()
+    assert torch.equal(table, torch.arange(4.0))
+    assert wrapped.table.grad_fn is None and not wrapped.table.requires_grad

@@ -14,14 +14,27 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _WITHOUT_TORCH_XLA = """
 import sys
-sys.modules["torch_xla"] = None  # any import of torch_xla now raises ImportError
+
+attempts = []
+
+
+class NoTorchXla:
+    # Record every attempt to import torch_xla and make it fail, as if it were not installed.
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch_xla":
+            attempts.append(name)
+            raise ImportError("torch_xla is not installed here")
+        return None
+
+
+sys.meta_path.insert(0, NoTorchXla())
 import torch, xla_wrap
 block = xla_wrap.checkpoint_wrapper(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout()))
 x = torch.randn(2, 4, requires_grad=True)
 block(x).sum().backward()
 y, = xla_wrap.optimization_barrier(x)
 assert y is x and x.grad is not None and block[0].weight.grad is not None
-assert "torch_xla" not in [m for m in sys.modules if sys.modules[m] is not None]
+assert attempts == [], attempts
 print("ok")
 """
 

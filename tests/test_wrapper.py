@@ -14,7 +14,7 @@ from torch import nn
 
 import xla_wrap
 
-from models import WIDTH, Block, Stack
+from models import BATCH, WIDTH, Block, Stack
 
 
 class WithExtraState(nn.Module):
@@ -203,3 +203,43 @@ def test_apply_passes_wrapper_options_and_rejects_bad_arguments() -> None:
         xla_wrap.apply_activation_checkpointing(model, "Linear")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected an nn.Module"):
         xla_wrap.apply_activation_checkpointing([nn.Linear(2, 2)], lambda m: True)  # type: ignore[type-var]
+
+
+def test_hooks_registered_on_the_wrapper_run() -> None:
+    calls: list[str] = []
+    plain = nn.Linear(WIDTH, WIDTH)
+    wrapped = xla_wrap.checkpoint_wrapper(nn.Linear(WIDTH, WIDTH))
+    for module in (plain, wrapped):
+        module.register_full_backward_hook(lambda m, gi, go: calls.append("backward"))
+        module.register_forward_hook(lambda m, i, o: calls.append("forward"))
+        module(torch.randn(BATCH, WIDTH, requires_grad=True)).sum().backward()
+    assert calls == ["forward", "backward"] * 2
+    state_calls: list[str] = []
+    wrapped.register_state_dict_post_hook(lambda *args: state_calls.append("state_dict"))
+    nn.Sequential(wrapped).state_dict()
+    assert state_calls == ["state_dict"]
+
+
+def test_hooks_of_the_wrapped_module_also_run_in_the_recomputation() -> None:
+    seen: list[bool] = []
+    inner = nn.Linear(WIDTH, WIDTH)
+    inner.register_forward_hook(lambda m, i, o: seen.append(xla_wrap.is_recomputing()))
+    xla_wrap.checkpoint_wrapper(inner)(torch.randn(BATCH, WIDTH)).sum().backward()
+    assert seen == [False, True]
+
+
+def test_apply_leaves_existing_wrappers_and_their_insides_alone() -> None:
+    inner = nn.Sequential(nn.Linear(2, 2))
+    model = nn.Sequential(xla_wrap.checkpoint_wrapper(inner), nn.Linear(2, 2))
+    xla_wrap.apply_activation_checkpointing(model, lambda m: isinstance(m, nn.Linear))
+    assert isinstance(inner[0], nn.Linear)  # no checkpoint nested inside the existing one
+    assert isinstance(model[1], xla_wrap.CheckpointWrapper)
+
+
+def test_apply_checks_options_before_wrapping_anything() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"apply_activation_checkpointing: expected wrapper opt"):
+        xla_wrap.apply_activation_checkpointing(model, lambda m: False, bogus=1)
+    with pytest.raises(NotImplementedError, match="offload_to_cpu"):
+        xla_wrap.apply_activation_checkpointing(model, lambda m: False, offload_to_cpu=True)
+    assert isinstance(model[0], nn.Linear)

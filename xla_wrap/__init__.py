@@ -8,6 +8,7 @@ the CPU/CUDA/XLA random generators so Dropout recomputes exactly, and presents w
 under their original names.
 """
 
+from . import introspect as introspect
 from ._apply import apply_activation_checkpointing as apply_activation_checkpointing
 from ._barrier import optimization_barrier as optimization_barrier
 from ._checkpoint import checkpoint as checkpoint
@@ -34,6 +35,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_wrapper",
+    "introspect",
     "is_recomputing",
     "optimization_barrier",
 ]

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ._errors import CheckpointTypeError, describe
-from ._wrapper import CheckpointWrapper, checkpoint_wrapper
+from ._wrapper import CheckpointWrapper, make_options
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -21,8 +21,9 @@ def apply_activation_checkpointing(
     Children are visited before their parents (post-order), so ``check_fn`` sees a parent whose
     selected children are already wrapped. The root is never wrapped (it cannot be replaced in
     place; wrap it yourself with :func:`checkpoint_wrapper`). A module reachable under several
-    names is wrapped once and the same wrapper is put at every place; an existing
-    :class:`CheckpointWrapper` is left as it is.
+    names is wrapped once and the same wrapper is put at every place. An existing
+    :class:`CheckpointWrapper` is left as it is, and nothing inside it is offered (that would
+    nest checkpoints).
 
     Args:
         model: The model to modify.
@@ -33,8 +34,9 @@ def apply_activation_checkpointing(
         ``model`` itself.
 
     Raises:
-        CheckpointTypeError: If ``model`` is not an ``nn.Module`` or ``check_fn`` is not
-            callable.
+        CheckpointTypeError: If ``model`` is not an ``nn.Module``, ``check_fn`` is not
+            callable, or an option is unknown.
+        NotImplementedError: If ``offload_to_cpu`` is True (not available yet).
 
     Example:
         >>> import torch, xla_wrap
@@ -55,6 +57,13 @@ def apply_activation_checkpointing(
             f"{api}: expected a callable `check_fn(module) -> bool`, got {describe(check_fn)}. "
             "Example: `check_fn=lambda m: isinstance(m, Block)`."
         )
+    try:
+        options = make_options(api, **wrapper_options)
+    except TypeError:
+        raise CheckpointTypeError(
+            f"{api}: expected wrapper options among `preserve_rng_state` and `offload_to_cpu`, "
+            f"got {sorted(wrapper_options)}. Pass only those, as keywords."
+        ) from None
     replacement: dict[int, nn.Module] = {}
     considered: set[int] = {id(model)}
 
@@ -68,9 +77,11 @@ def apply_activation_checkpointing(
             if id(child) in considered:
                 continue
             considered.add(id(child))
+            if isinstance(child, CheckpointWrapper):  # already checkpointed, inside included
+                continue
             visit(child)
-            if not isinstance(child, CheckpointWrapper) and check_fn(child):
-                wrapper = checkpoint_wrapper(child, **wrapper_options)
+            if check_fn(child):
+                wrapper = CheckpointWrapper(child, options)
                 replacement[id(child)] = parent._modules[name] = wrapper
 
     visit(model)

@@ -64,16 +64,26 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.call = call
         ctx.params = call.owners.params
         ctx.save_for_backward(*inputs)
+        # The forward may update buffers in place (BatchNorm statistics, EMAs); the
+        # recomputation must read them as the forward did. On XLA the copy shares the lazy
+        # value and costs nothing until the buffer changes.
+        ctx.buffers = [b.detach().clone() for b in call.owners.buffers]
         if call.preserve_rng_state:
             call.rng = _rng.capture([*tensors, *call.owners.buffers])
         call.autocast = _autocast.capture()
+        versions = [t._version for t in inputs]
         outputs = Flat.of(call.run(inputs))
+        _check_inputs_unchanged(call, inputs, versions)
         # Keep structure and non-tensor values only: holding the output tensors here would
         # make a reference cycle through their grad_fn.
         call.outputs = outputs.without_tensors()
         call.inputs = call.inputs.without_tensors()
         ctx.set_materialize_grads(False)
-        out = outputs.tensors
+        # A tensor the callable returns without computing it (a buffer, a global) would get
+        # this Function as its grad_fn in place; return an alias of it instead. Inputs returned
+        # as they are need no alias: autograd handles those.
+        ids = {id(t) for t in tensors}
+        out = tuple(t if id(t) in ids else t.detach() for t in outputs.tensors)
         not_differentiable = [t for t in out if not (t.is_floating_point() or t.is_complex())]
         if not_differentiable:
             ctx.mark_non_differentiable(*not_differentiable)
@@ -91,7 +101,7 @@ class CheckpointFunction(torch.autograd.Function):
             )
         inputs = ctx.saved_tensors
         params: tuple[torch.Tensor, ...] = ctx.params
-        buffers = call.owners.buffers
+        buffers: list[torch.Tensor] = ctx.buffers
         present = [i for i, g in enumerate(grads) if g is not None]
         incoming = [g for g in grads if g is not None]
         n_in, n_grad, n_param = len(inputs), len(present), len(params)
@@ -138,6 +148,22 @@ class CheckpointFunction(torch.autograd.Function):
         input_grads = [c.grad if c.requires_grad else None for c in input_copies]
         param_grads = [c.grad if c.requires_grad else None for c in param_copies]
         return (None, None, *input_grads, *param_grads)
+
+
+def _check_inputs_unchanged(
+    call: CheckpointCall, inputs: Sequence[torch.Tensor], versions: Sequence[int]
+) -> None:
+    """Refuse a callable that modified its inputs in place: the recomputation would start from
+    the modified values and give wrong gradients without any error."""
+    for index, (tensor, version) in enumerate(zip(inputs, versions, strict=True)):
+        if tensor._version != version:
+            raise CheckpointError(
+                f"{call.api}: the checkpointed callable modified its input tensor {index} "
+                f"({TensorMeta.of(tensor)}) in place; the recomputation in backward would start "
+                "from the modified value and give wrong gradients. Make that operation "
+                "out-of-place (for example `nn.ReLU(inplace=False)` as the block's first layer) "
+                "or clone the input inside the callable."
+            )
 
 
 def _check_same_outputs(call: CheckpointCall, forward: Flat, again: Flat) -> None:

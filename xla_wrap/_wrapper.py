@@ -18,8 +18,14 @@ from torch import nn
 from ._checkpoint import run_checkpointed
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 
-# Hook tables the parent's load_state_dict reads directly from each child.
-_SHARED_HOOK_TABLES = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+# state_dict hook tables: shared, so hooks registered on either object run exactly once, from
+# the module's own state_dict / load path.
+_SHARED_HOOK_TABLES = (
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,14 @@ class CheckpointWrapper(nn.Module):
             return getattr(module, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # Writes go to the wrapped module, which registers parameters, buffers and submodules
-        # in the dicts both share, and keeps plain attributes where its forward reads them.
+        # nn.Module's own bookkeeping (hook flags, `training`, compiled call) stays on the
+        # wrapper. Everything else goes to the wrapped module, which registers parameters,
+        # buffers and submodules in the dicts both share, and keeps plain attributes where its
+        # forward reads them.
         module = self.__dict__.get("_checkpoint_module")
-        if module is None or name == "training":
+        if module is None or name in self.__dict__:
             super().__setattr__(name, value)
-        if module is not None:
+        if module is not None and (name == "training" or name not in self.__dict__):
             setattr(module, name, value)
 
     def __delattr__(self, name: str) -> None:
@@ -127,6 +135,18 @@ class CheckpointWrapper(nn.Module):
 
     def __repr__(self) -> str:
         return f"CheckpointWrapper({self.checkpoint_module!r})"
+
+
+def make_options(
+    api: str, *, preserve_rng_state: bool = True, offload_to_cpu: bool = False
+) -> CheckpointOptions:
+    """Validate wrapper options once, for every API that takes them."""
+    if offload_to_cpu:
+        raise NotImplementedError(
+            f"{api}: offload_to_cpu=True is not available yet. Pass offload_to_cpu=False; "
+            "activations are then recomputed instead of kept on the host."
+        )
+    return CheckpointOptions(preserve_rng_state=bool(preserve_rng_state), offload_to_cpu=False)
 
 
 def checkpoint_wrapper(
@@ -173,12 +193,11 @@ def checkpoint_wrapper(
             f"xla_wrap.checkpoint_wrapper: expected an nn.Module, got {describe(module)}. "
             "To checkpoint a function, call `xla_wrap.checkpoint(function, *args)` instead."
         )
-    if offload_to_cpu:
-        raise NotImplementedError(
-            "xla_wrap.checkpoint_wrapper: offload_to_cpu=True is not available yet. Pass "
-            "offload_to_cpu=False; activations are then recomputed instead of kept on the host."
-        )
-    options = CheckpointOptions(preserve_rng_state=preserve_rng_state, offload_to_cpu=False)
+    options = make_options(
+        "xla_wrap.checkpoint_wrapper",
+        preserve_rng_state=preserve_rng_state,
+        offload_to_cpu=offload_to_cpu,
+    )
     if isinstance(module, CheckpointWrapper):
         if module.checkpoint_options == options:
             return module
