@@ -119,7 +119,8 @@ class CheckpointFunction(torch.autograd.Function):
         buffer_copies = [
             b if _xla.is_xla_tensor(b) else b.clone() for b in copies[n_in + n_grad + n_param :]
         ]
-        for copy, needs_grad in zip(input_copies, ctx.needs_input_grad[2:], strict=False):
+        # needs_input_grad: (call, anchor, *inputs, *params)
+        for copy, needs_grad in zip(input_copies, ctx.needs_input_grad[2 : 2 + n_in], strict=True):
             copy.requires_grad_(needs_grad)
         for copy, param in zip(param_copies, params, strict=True):
             copy.requires_grad_(param.requires_grad)
