@@ -13,6 +13,7 @@ from ._apply import apply_activation_checkpointing as apply_activation_checkpoin
 from ._barrier import optimization_barrier as optimization_barrier
 from ._checkpoint import checkpoint as checkpoint
 from ._checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._errors import BarriersStrippedWarning as BarriersStrippedWarning
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointTypeError as CheckpointTypeError
 from ._errors import CheckpointValueError as CheckpointValueError
@@ -25,6 +26,7 @@ from ._wrapper import checkpoint_wrapper as checkpoint_wrapper
 __version__ = "0.1.0"
 
 __all__ = [
+    "BarriersStrippedWarning",
     "CheckpointError",
     "CheckpointOptions",
     "CheckpointTypeError",

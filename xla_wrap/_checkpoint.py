@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _xla
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._function import CheckpointCall, CheckpointFunction
 from ._module_tensors import ModuleTensors
@@ -37,6 +38,7 @@ def run_checkpointed(
         preserve_rng_state=preserve_rng_state,
     )
     tensors = (*inputs.tensors, *call.owners.params)
+    _xla.warn_if_barriers_stripped(tensors)
     anchor = None
     if not any(t.requires_grad for t in tensors):
         anchor = torch.empty(0, requires_grad=True)

@@ -25,6 +25,11 @@ class CheckpointError(XlaWrapError, RuntimeError):
     recomputation in backward did not reproduce the forward)."""
 
 
+class BarriersStrippedWarning(UserWarning):
+    """Checkpointing runs on XLA:CPU while XLA deletes optimization barriers: it will recompute
+    but save no memory there."""
+
+
 def describe(value: object) -> str:
     """A short description of a value for error messages: its type, and its shape for tensors."""
     shape = getattr(value, "shape", None)

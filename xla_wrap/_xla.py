@@ -8,13 +8,17 @@ asks these functions and never touches torch_xla directly.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from types import ModuleType
+from types import FrameType, ModuleType
 
 import torch
+
+from ._errors import BarriersStrippedWarning
 
 # The pass that deletes every opt-barrier on XLA:CPU before CSE (see docs/index.md).
 BARRIER_STRIPPING_PASS = "cse_barrier_expander"
@@ -44,6 +48,14 @@ def xla_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
         if is_xla_tensor(tensor):
             seen.setdefault(tensor.device, None)
     return list(seen)
+
+
+def tensor_id(tensor: torch.Tensor) -> int:
+    """torch_xla's id of the lazy tensor behind an XLA tensor: equal for Python objects that
+    stand for the same value (autograd unpacks a saved output into a new object each time)."""
+    torch_xla = _loaded("torch_xla")
+    assert torch_xla is not None
+    return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
 
 
 def barrier_(tensors: Sequence[torch.Tensor]) -> None:
@@ -143,3 +155,43 @@ def barrier_stripping_active(device_type: str, xla_flags: str | None = None) -> 
         if name == "--xla_disable_hlo_passes" and BARRIER_STRIPPING_PASS in value.split(","):
             return False
     return True
+
+
+def warn_if_barriers_stripped(tensors: Iterable[torch.Tensor]) -> None:
+    """Warn once per process when checkpointing XLA tensors on XLA:CPU with the barrier-stripping
+    pass enabled: the step recomputes, but the memory saving cannot show there."""
+    if any(is_xla_tensor(t) for t in tensors) and _barriers_stripped_here():
+        _warn_barriers_stripped_once()
+
+
+@functools.cache
+def _barriers_stripped_here() -> bool:
+    # XLA reads its flags once per process, so the answer cannot change.
+    runtime = _loaded("torch_xla.runtime")
+    return runtime is not None and barrier_stripping_active(runtime.device_type())
+
+
+@functools.cache
+def _warn_barriers_stripped_once() -> None:
+    warnings.warn(
+        "xla_wrap: checkpointing on XLA:CPU, whose compiler deletes optimization barriers "
+        f"({BARRIER_STRIPPING_PASS}) before common-subexpression elimination: the step will "
+        "recompute but save no memory here. Accelerators keep the barriers. To see the saving "
+        f"on a CPU, start Python with XLA_FLAGS={KEEP_BARRIERS_FLAG}.",
+        BarriersStrippedWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside xla_wrap and torch, so the warning points at
+    the user's line."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("xla_wrap") or name.startswith("torch")):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1

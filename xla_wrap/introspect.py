@@ -1,16 +1,25 @@
-"""See what XLA made of a step: its HLO, its barriers, its compiled peak memory.
+"""See what XLA made of a step: what it keeps, what it recomputes, and its compiled peak.
 
 Allocator statistics do not exist on XLA:CPU and, on TPU, show the end of a step rather than
-its peak. The figure that does not lie is XLA's own buffer assignment: the total size of every
-allocation after liveness-based packing, which XLA writes next to the optimized HLO when the
-process starts with ``XLA_FLAGS=--xla_dump_to=DIR``. These functions read it back.
+its peak (the first seed report misread exactly that). The figure that does not lie is XLA's
+own buffer assignment: the size of every allocation after liveness-based packing, which XLA
+writes next to the optimized HLO when the process starts with ``XLA_FLAGS=--xla_dump_to=DIR``.
+:func:`enable_compile_dumps` sets that up; :func:`compiled_memory` reads it back.
+
+Example:
+    >>> from xla_wrap import introspect
+    >>> introspect.enable_compile_dumps()          # before the first XLA device exists
+    >>> program = introspect.compiled_memory(train_step)   # doctest: +SKIP
+    >>> print(program.total_mib, program.flops, program.count("opt-barrier"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import atexit
 import os
-import re
 import shlex
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,33 +27,79 @@ from typing import Any
 
 import torch
 
-from . import _xla
-from ._errors import CheckpointValueError
+from . import _hlo, _xla
+from ._errors import CheckpointError, CheckpointValueError
+from ._residuals import Residual, format_residuals, saved_residuals
 
-_TOTAL_BYTES = re.compile(r"^Total bytes used: (\d+)", re.MULTILINE)
+__all__ = [
+    "CompiledProgram",
+    "Residual",
+    "compiled_memory",
+    "compiled_programs",
+    "count_instructions",
+    "dump_directory",
+    "enable_compile_dumps",
+    "format_residuals",
+    "hlo_flops",
+    "pending_hlo",
+    "saved_residuals",
+]
+
 _BUFFER_ASSIGNMENT_SUFFIX = "after_optimizations-buffer-assignment.txt"
+
+count_instructions = _hlo.count_instructions
+
+
+def hlo_flops(hlo: str) -> int:
+    """Floating-point operations of the dot and convolution instructions in HLO text.
+
+    Counting them in the *optimized* HLO of a training step shows what recomputation really
+    costs: work XLA eliminated as dead code or merged away is not counted.
+    """
+    return _hlo.flops(hlo)
 
 
 @dataclass(frozen=True)
 class CompiledProgram:
-    """One program XLA compiled: its name, its peak bytes and its optimized HLO text."""
+    """One program XLA compiled, from its dumps.
+
+    Attributes:
+        name: XLA's module name (``module_0003.SyncTensorsGraph.412``).
+        total_bytes: Peak device memory of the program (XLA's buffer assignment).
+        argument_bytes: The part taken by the program's arguments (parameters, inputs).
+        output_bytes: The part taken by its outputs.
+        temporary_bytes: The rest: activations and other temporaries.
+        optimized_hlo: The HLO text after XLA's optimizations.
+    """
 
     name: str
     total_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temporary_bytes: int
     optimized_hlo: str
 
     @property
     def total_mib(self) -> float:
         return self.total_bytes / 2**20
 
+    @property
+    def flops(self) -> int:
+        """FLOPs of the program's dots and convolutions (see :func:`hlo_flops`)."""
+        return _hlo.flops(self.optimized_hlo)
+
     def count(self, opcode: str) -> int:
-        """How many instructions of ``opcode`` (``"dot"``, ``"convolution"``, ``"opt-barrier"``)
-        the optimized program contains."""
-        return count_instructions(self.optimized_hlo, opcode)
+        """How many instructions of ``opcode`` (``"dot"``, ``"convolution"``,
+        ``"opt-barrier"``, ``"all-gather"``) the optimized program contains."""
+        return _hlo.count_instructions(self.optimized_hlo, opcode)
 
 
 def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
-    """The HLO text (before XLA's optimizations) of the pending computation of XLA ``tensors``."""
+    """The HLO text, before XLA's optimizations, of the computation pending for XLA ``tensors``.
+
+    Raises:
+        CheckpointValueError: If a tensor is not on an XLA device.
+    """
     torch_xla = _xla._loaded("torch_xla")
     if torch_xla is None or not all(_xla.is_xla_tensor(t) for t in tensors):
         raise CheckpointValueError(
@@ -53,11 +108,6 @@ def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
         )
     text: str = torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
     return text
-
-
-def count_instructions(hlo: str, opcode: str) -> int:
-    """Count the instructions of ``opcode`` in HLO text."""
-    return len(re.findall(rf"\s{re.escape(opcode)}\(", hlo))
 
 
 def dump_directory(xla_flags: str | None = None) -> Path | None:
@@ -70,52 +120,103 @@ def dump_directory(xla_flags: str | None = None) -> Path | None:
     return None
 
 
+def enable_compile_dumps(directory: str | os.PathLike[str] | None = None) -> Path:
+    """Make XLA dump what it compiles, so that :func:`compiled_memory` can read it.
+
+    Call it before the process creates its first XLA device: XLA reads ``XLA_FLAGS`` once. With
+    no ``directory``, a temporary one is made and removed when the process exits. If the process
+    already dumps (``--xla_dump_to`` in ``XLA_FLAGS``), that directory is returned unchanged.
+
+    Returns:
+        The dump directory.
+
+    Raises:
+        CheckpointError: If the XLA runtime has already started without dumps.
+    """
+    existing = dump_directory()
+    if existing is not None:
+        return existing
+    torch_xla = _xla._loaded("torch_xla")
+    if torch_xla is not None and torch_xla._XLAC._xla_runtime_is_initialized():
+        raise CheckpointError(
+            "xla_wrap.introspect.enable_compile_dumps: expected to run before the first XLA "
+            "device is created, got a running XLA runtime (XLA has read its flags already). "
+            "Call it at the top of the script, or start Python with "
+            "XLA_FLAGS=--xla_dump_to=DIR."
+        )
+    if directory is None:
+        path = Path(tempfile.mkdtemp(prefix="xla_wrap_dumps_"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    else:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={path}".strip()
+    return path
+
+
 def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
     """Run ``step`` and return every program XLA compiled while it ran, largest peak first.
 
-    ``step`` must end in (or be followed inside it by) ``torch_xla.sync()``. The process must
-    have been started with ``XLA_FLAGS=--xla_dump_to=DIR``: XLA reads its flags once, at start-up.
-    A program already compiled earlier in the process is served from the cache and not reported,
-    so measure each configuration once per process (or with fresh shapes). The dump files read
-    here are deleted.
+    ``step`` must end with ``torch_xla.sync()`` (or otherwise execute its graph). A program
+    compiled earlier in the process comes from the cache and is not reported: measure each
+    configuration once per process. Every dump file the step produced is deleted.
 
     Raises:
-        CheckpointValueError: If XLA is not dumping, or ``step`` compiled nothing.
+        CheckpointValueError: If XLA is not dumping (see :func:`enable_compile_dumps`) or the
+            step compiled nothing.
     """
     directory = dump_directory()
     if directory is None:
         raise CheckpointValueError(
-            "xla_wrap.introspect.compiled_programs: expected the process to start with "
-            "XLA_FLAGS=--xla_dump_to=DIR, got XLA_FLAGS="
-            f"{os.environ.get('XLA_FLAGS', '')!r}. Set it before starting Python."
+            "xla_wrap.introspect.compiled_programs: expected XLA to dump its compilations, got "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}. Call "
+            "`introspect.enable_compile_dumps()` before the first XLA device is created, or "
+            "start Python with XLA_FLAGS=--xla_dump_to=DIR."
         )
-    before = set(directory.iterdir()) if directory.exists() else set()
+    before = _files(directory)
     step()
-    after = set(directory.iterdir()) if directory.exists() else set()
-    new = sorted(after - before)
+    new = sorted(_files(directory) - before)
     programs = []
     for path in new:
         if not path.name.endswith(_BUFFER_ASSIGNMENT_SUFFIX):
             continue
         prefix = path.name[: -len(_BUFFER_ASSIGNMENT_SUFFIX)]
-        match = _TOTAL_BYTES.search(path.read_text())
+        assignment = _hlo.parse_buffer_assignment(path.read_text())
         hlo_path = path.with_name(prefix + "after_optimizations.txt")
-        if match is None or not hlo_path.exists():
+        if assignment is None or not hlo_path.exists():
             continue
         programs.append(
             CompiledProgram(
                 name=prefix.rstrip("."),
-                total_bytes=int(match.group(1)),
+                total_bytes=assignment.total,
+                argument_bytes=assignment.arguments,
+                output_bytes=assignment.outputs,
+                temporary_bytes=assignment.temporaries,
                 optimized_hlo=hlo_path.read_text(),
             )
         )
     for path in new:
-        if path.is_file():
-            path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
     if not programs:
         raise CheckpointValueError(
-            "xla_wrap.introspect.compiled_programs: expected `step` to compile at least one "
-            "program, got none (it was cached, or `step` did not call torch_xla.sync()). "
-            "Measure each configuration once per process, and sync inside `step`."
+            "xla_wrap.introspect.compiled_programs: expected `step` to compile a program, got "
+            "none (it came from the compilation cache, or `step` did not call "
+            "torch_xla.sync()). Measure each configuration once per process, and sync inside "
+            "`step`."
         )
     return sorted(programs, key=lambda p: p.total_bytes, reverse=True)
+
+
+def compiled_memory(step: Callable[[], Any]) -> CompiledProgram:
+    """Run ``step`` and return the largest program it compiled: the step's compiled peak.
+
+    Raises:
+        CheckpointValueError: As :func:`compiled_programs`.
+    """
+    return compiled_programs(step)[0]
+
+
+def _files(directory: Path) -> set[Path]:
+    if not directory.exists():
+        return set()
+    return {p for p in directory.iterdir() if p.is_file()}

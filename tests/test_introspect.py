@@ -1,0 +1,178 @@
+"""xla_wrap.introspect against programs whose answers are known."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import xla_wrap
+from xla_wrap import _hlo, introspect
+
+from models import WIDTH
+
+_BUFFER_ASSIGNMENT = """BufferAssignment:
+allocation 0: size 64, maybe-live-out:
+ value: <1 dot.1 @0> (size=64,offset=0): f32[4,4]{1,0}
+allocation 1: size 32, parameter 0, shape |f32[8]| at ShapeIndex {}:
+allocation 2: size 1000, preallocated-temp:
+allocation 3: size 4, thread-local:
+
+Total bytes used: 1100 (1.07KiB)
+"""
+
+
+def test_buffer_assignment_splits_the_total_into_arguments_outputs_and_temporaries() -> None:
+    parsed = _hlo.parse_buffer_assignment(_BUFFER_ASSIGNMENT)
+    assert parsed == _hlo.BufferAssignment(total=1100, arguments=32, outputs=64, temporaries=1004)
+    assert _hlo.parse_buffer_assignment("no total here") is None
+
+
+def test_flops_of_dots_and_convolutions_in_optimized_hlo_text() -> None:
+    hlo = """
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16,32]{1,0} parameter(1)
+  %dot.1 = f32[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %x = f32[2,14,14,3]{3,2,1,0} parameter(2)
+  %w = f32[3,3,3,5]{3,2,1,0} parameter(3)
+  %convolution.2 = f32[2,12,12,5]{3,2,1,0} convolution(%x, %w), window={size=3x3}, """ + (
+        "dim_labels=b01f_01io->b01f\n"
+    )
+    expected = 2 * 8 * 32 * 16 + 2 * (2 * 12 * 12 * 5) * (3 * 3 * 3)
+    assert introspect.hlo_flops(hlo) == expected
+    assert introspect.count_instructions(hlo, "dot") == 1
+
+
+@pytest.mark.xla
+def test_matmul_chain_flops_and_barrier_count_on_xla(xla_device: torch.device) -> None:
+    import torch_xla
+
+    # Made on the host, so that they are arguments of the compiled program.
+    a, b, c = (torch.randn(*shape).to(xla_device) for shape in ((8, 16), (16, 32), (32, 4)))
+    torch_xla.sync()
+    (ab,) = xla_wrap.optimization_barrier(a @ b)
+    (out,) = xla_wrap.optimization_barrier(ab @ c)
+    expected = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4
+    hlo = introspect.pending_hlo([out])
+    assert introspect.hlo_flops(hlo) == expected
+    assert introspect.count_instructions(hlo, "opt-barrier") == 2
+    program = introspect.compiled_memory(lambda: (out.add_(0), torch_xla.sync()))
+    assert program.flops == expected and program.count("opt-barrier") == 2
+    assert program.total_bytes == (
+        program.argument_bytes + program.output_bytes + program.temporary_bytes
+    )
+    assert program.argument_bytes == 4 * (8 * 16 + 16 * 32 + 32 * 4)
+
+
+@pytest.mark.xla
+def test_compiled_peak_orders_none_above_checkpointed(xla_device: torch.device) -> None:
+    import torch_xla
+
+    def peak(checkpointed: bool) -> int:
+        torch.manual_seed(0)
+        # MLP blocks whose wide hidden activations are what checkpointing drops.
+        layers = nn.Sequential(
+            *(
+                nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh())
+                for _ in range(6)
+            )
+        )
+        layers = layers.to(xla_device)
+        if checkpointed:
+            xla_wrap.apply_activation_checkpointing(layers, lambda m: isinstance(m, nn.Sequential))
+        x = torch.randn(256, 64, device=xla_device)
+
+        def step() -> None:
+            layers(x).sum().backward()
+            torch_xla.sync()
+
+        return introspect.compiled_memory(step).total_bytes
+
+    assert peak(checkpointed=False) > peak(checkpointed=True)
+
+
+def test_saved_residuals_of_a_small_mlp() -> None:
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    residuals = introspect.saved_residuals(mlp, x)
+    by_kind = {r.kind: r for r in residuals}
+    assert sorted(by_kind) == ["activation", "input", "parameter"] and len(residuals) == 3
+    assert by_kind["input"].shape == (3, 4) and by_kind["input"].nbytes == 3 * 4 * 4
+    assert by_kind["activation"].shape == (3, 8)  # the ReLU output, kept by two nodes
+    assert set(by_kind["activation"].ops) == {"ReluBackward0", "AddmmBackward0"}
+    assert by_kind["parameter"].shape == (8, 2)  # the second weight, for the ReLU's gradient
+    table = introspect.format_residuals(residuals)
+    assert table.splitlines()[-1].startswith("total 0.00 MiB (activation")
+
+
+def test_a_checkpointed_block_keeps_only_its_input(device: torch.device) -> None:
+    block = nn.Sequential(nn.Linear(WIDTH, 32), nn.Tanh(), nn.Linear(32, WIDTH), nn.Tanh())
+    block = block.to(device)
+    x = torch.randn(5, WIDTH, device=device, requires_grad=True)
+    plain = introspect.saved_residuals(block, x)
+    wrapped = introspect.saved_residuals(xla_wrap.checkpoint_wrapper(block), x)
+    # Both Tanh outputs (Tanh's backward reads its result; the second Linear reads the first).
+    assert sorted(r.shape for r in plain if r.kind == "activation") == [(5, WIDTH), (5, 32)]
+    assert [(r.ops, r.kind, r.shape) for r in wrapped] == [
+        (("CheckpointFunctionBackward",), "input", (5, WIDTH))
+    ]
+
+
+def test_saved_residuals_rejects_a_non_callable() -> None:
+    with pytest.raises(TypeError, match=r"^xla_wrap.introspect.saved_residuals: expected"):
+        introspect.saved_residuals(torch.ones(2))
+
+
+@pytest.mark.xla
+def test_compile_dumps_are_read_from_the_running_configuration(
+    xla_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert introspect.enable_compile_dumps() == introspect.dump_directory()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=cse_barrier_expander")
+    with pytest.raises(xla_wrap.CheckpointError, match="before the first XLA device"):
+        introspect.enable_compile_dumps()
+    with pytest.raises(ValueError, match="enable_compile_dumps"):
+        introspect.compiled_programs(lambda: None)
+
+
+@pytest.mark.xla
+def test_no_barrier_warning_when_barriers_are_kept(xla_device: torch.device) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", xla_wrap.BarriersStrippedWarning)
+        x = torch.randn(3, device=xla_device, requires_grad=True)
+        xla_wrap.checkpoint(torch.sin, x).sum().backward()
+
+
+_STOCK_CPU = """
+import warnings, torch, torch_xla, xla_wrap
+warnings.simplefilter("always")
+x = torch.randn(3, device=torch_xla.device(), requires_grad=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(3):
+        xla_wrap.checkpoint(torch.sin, x).sum().backward()  # user line
+print(len([w for w in caught if issubclass(w.category, xla_wrap.BarriersStrippedWarning)]))
+print(caught[0].filename.endswith("<string>"), caught[0].lineno)
+print(str(caught[0].message))
+"""
+
+
+@pytest.mark.xla
+@pytest.mark.subprocess
+def test_stock_xla_cpu_warns_once_and_names_the_flag() -> None:
+    pytest.importorskip("torch_xla")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PJRT_DEVICE"] = "CPU"
+    done = subprocess.run(
+        [sys.executable, "-c", _STOCK_CPU], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    count, location, message = done.stdout.strip().splitlines()
+    assert count == "1"
+    assert location == "True 8"  # points at the user's line, not inside xla_wrap or torch
+    assert "--xla_disable_hlo_passes=cse_barrier_expander" in message
