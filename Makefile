@@ -13,14 +13,15 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[xla,fairscale,test,dev]'
+	$(PY) -m pip install --quiet -e '.[xla,fairscale,bench,test,dev]'
 	touch $(STAMP)
 
 test: venv
 	$(PY) -m pytest -q
 
+# Every checkpointing tool side by side on XLA:CPU (about 5 minutes on 2 cores).
 demo: venv
-	$(PY) examples/conv_stack.py
+	$(PY) -m xla_wrap.bench --out bench-results
 
 lint: venv
 	$(PY) -m ruff check xla_wrap tests examples

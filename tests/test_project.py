@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -50,22 +49,20 @@ def test_import_and_eager_features_work_without_torch_xla() -> None:
 
 @pytest.mark.subprocess
 @pytest.mark.xla
-def test_main_example_smallest_configuration(tmp_path: Path) -> None:
+def test_conv_stack_example_smallest_configuration() -> None:
     pytest.importorskip("torch_xla")
-    out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     command = [sys.executable, str(ROOT / "examples" / "conv_stack.py")]
-    command += ["--blocks=3", "--channels=8", "--size=4", "--batch=2", f"--json={out}"]
+    command += ["--blocks=3", "--channels=16", "--size=8", "--batch=2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "[3/3] xla_wrap.checkpoint_wrapper" in done.stdout  # progress is shown
-    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    none, theirs = results["none"], results["torch_xla.utils.checkpoint"]
-    ours = results["xla_wrap.checkpoint_wrapper"]
-    assert ours["grads_match_none"] is True
-    assert ours["conv_dot_ops"] == none["conv_dot_ops"] + 2 * 2  # two blocks recomputed
-    assert ours["barriers"] >= 2 and ours["recompiles_after_warm_up"] == 0
-    assert theirs["conv_dot_ops"] == ours["conv_dot_ops"]
+    assert "xla_wrap: compiling and running" in done.stdout  # progress is shown
+    lines = {line[:28].strip(): line[28:].split() for line in done.stdout.splitlines()}
+    plain_barriers, our_barriers = map(int, lines["optimization barriers"])
+    assert plain_barriers == 0 and our_barriers >= 2
+    plain_flops, our_flops = map(float, lines["MFLOPs per step"])
+    assert our_flops > plain_flops
+    assert "gradients equal: yes" in done.stdout
 
 
 def test_example_help_runs_without_starting_xla() -> None:

@@ -1,0 +1,75 @@
+"""The benchmark: report logic on known numbers, and a smoke run of the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from xla_wrap.bench._cli import parse_args
+from xla_wrap.bench._report import compare, render_table
+
+
+def test_compare_takes_ratios_against_none_and_checks_gradients(tmp_path: Path) -> None:
+    grads = tmp_path / "ref.pt"
+    torch.save([torch.ones(3)], grads)
+    wrong = tmp_path / "wrong.pt"
+    torch.save([torch.ones(3) * 2], wrong)
+    base = {"model": "m", "flops": 100, "step_ms": 10.0}
+    runs = [
+        {**base, "variant": "none", "peak_bytes": 400, "floor_bytes": 100, "grads": str(grads)},
+        {**base, "variant": "good", "peak_bytes": 200, "flops": 130, "grads": str(grads)},
+        {**base, "variant": "wrong", "peak_bytes": 400, "step_ms": 20.0, "grads": str(wrong)},
+        {"model": "m", "variant": "broken", "error": "AttributeError: boom"},
+    ]
+    compare(runs)
+    _, good, wrong_run, broken = runs
+    assert good["peak_ratio"] == 0.5 and good["floor_ratio"] == 2.0
+    assert good["flops_ratio"] == 1.3 and good["grads_equal"] is True
+    assert wrong_run["grads_equal"] is False and wrong_run["time_ratio"] == 2.0
+    assert broken["runs"] is False and "peak_ratio" not in broken
+    table = render_table(runs).splitlines()
+    assert table[0].split()[:3] == ["model", "variant", "runs?"]
+    assert table[2].split()[2:4] == ["yes", "yes"] and "0.50x" in table[2]
+    assert "NO" in table[3].split()
+    assert table[4].split()[2] == "no" and table[4].endswith("AttributeError: boom")
+
+
+def test_size_overrides_are_checked() -> None:
+    from xla_wrap.bench._cli import _sizes
+
+    args = parse_args(["--size", "conv.channels=32"])
+    assert _sizes(args, ["conv"])["conv"]["channels"] == 32
+    with pytest.raises(SystemExit, match="MODEL.KEY=N"):
+        _sizes(parse_args(["--size", "conv.depth=3"]), ["conv"])
+
+
+@pytest.mark.xla
+@pytest.mark.subprocess
+def test_cli_smoke_run_writes_json_and_reports_crashes(tmp_path: Path) -> None:
+    pytest.importorskip("torch_xla")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, "-m", "xla_wrap.bench", "--quick", "--models", "conv"]
+    command += ["--variants", "torch.utils.checkpoint,xla_wrap", "--steps", "2"]
+    command += ["--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[4/4] conv / step times of 2 variants" in done.stdout  # progress, and the count
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["config"]["barriers_kept"] is True
+    runs = {r["variant"]: r for r in report["runs"]}
+    assert list(runs) == ["none", "torch.utils.checkpoint", "xla_wrap"]
+    crashed = runs["torch.utils.checkpoint"]
+    assert crashed["runs"] is False and crashed["error"].startswith("AttributeError")
+    ours = runs["xla_wrap"]
+    for key in ("peak_bytes", "flops", "step_ms", "peak_ratio", "flops_ratio", "time_ratio"):
+        assert isinstance(ours[key], (int, float)), key
+    assert ours["grads_equal"] is True and ours["recompiles"] == 0 and ours["barriers"] >= 2
+    assert 1.0 < ours["flops_ratio"] <= 4 / 3
+    assert runs["none"]["floor_bytes"] > 0
+    assert (tmp_path / "bench.png").stat().st_size > 0

@@ -1,0 +1,177 @@
+"""``python -m xla_wrap.bench``: every checkpointing tool side by side on XLA:CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .._xla import KEEP_BARRIERS_FLAG
+from ._report import compare, render_chart, render_table
+from ._variants import VARIANTS
+
+DEFAULT_SIZES = {
+    "conv": {"blocks": 16, "channels": 256, "size": 14, "batch": 16},
+    "transformer": {"blocks": 8, "dim": 128, "heads": 4, "seq": 128, "batch": 8},
+}
+QUICK_SIZES = {
+    "conv": {"blocks": 3, "channels": 8, "size": 4, "batch": 2},
+    "transformer": {"blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 2},
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m xla_wrap.bench",
+        description="Compare activation-checkpointing tools on XLA:CPU: does each run, are its "
+        "gradients right, what is its compiled peak memory, how much does it recompute, how "
+        "fast is a step. Every (model, variant) runs in a fresh process. All but the first "
+        "block are checkpointed.",
+    )
+    parser.add_argument("--models", default="conv,transformer", help="comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed steps per variant (interleaved, one process)"
+    )
+    parser.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="MODEL.KEY=N",
+        help="override a size, e.g. conv.channels=128 or transformer.blocks=4 (repeatable)",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument(
+        "--stock", action="store_true", help="keep XLA:CPU's barrier-stripping pass (no savings)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON and PNG")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _sizes(args: argparse.Namespace, models: list[str]) -> dict[str, dict[str, int]]:
+    sizes = {m: dict((QUICK_SIZES if args.quick else DEFAULT_SIZES)[m]) for m in models}
+    for item in args.size:
+        key, _, value = item.partition("=")
+        model, _, name = key.partition(".")
+        if model not in sizes or name not in sizes[model] or not value.isdigit():
+            raise SystemExit(
+                f"xla_wrap.bench: --size expects MODEL.KEY=N with MODEL in {sorted(sizes)} and "
+                f"KEY among {sorted(sizes.get(model, {}))}; got {item!r}"
+            )
+        sizes[model][name] = int(value)
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return _worker_main(args.worker)
+    models = [m for m in args.models.split(",") if m]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [m for m in models if m not in DEFAULT_SIZES] + [
+        v for v in variants if v not in VARIANTS
+    ]
+    if unknown:
+        raise SystemExit(
+            f"xla_wrap.bench: unknown model or variant {unknown}; models: {sorted(DEFAULT_SIZES)}, "
+            f"variants: {list(VARIANTS)}"
+        )
+    if "none" not in variants:
+        variants.insert(0, "none")  # the reference every ratio is taken against
+    sizes = _sizes(args, models)
+    flags = "" if args.stock else KEEP_BARRIERS_FLAG
+    mode = "stock XLA:CPU, barriers stripped" if args.stock else f"barriers kept ({flags})"
+    print(f"xla_wrap.bench on XLA:CPU, {mode}; {args.steps} timed steps per variant", flush=True)
+    print("each variant compiles in a fresh process; step times come from one process per model")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    tasks = iter(range(1, len(models) * (len(variants) + 1) + 1))
+    total = len(models) * (len(variants) + 1)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="xla_wrap_bench_") as tmp_name:
+        tmp = Path(tmp_name)
+        for model in models:
+            model_runs: list[dict[str, Any]] = []
+            for variant in variants:
+                grads = tmp / f"grads-{model}-{len(model_runs)}.pt"
+                job = {"task": "measure", "model": model, "variant": variant}
+                job.update(sizes=sizes[model], grads=str(grads))
+                print(f"[{next(tasks)}/{total}] {model} / {variant} ...", end=" ", flush=True)
+                run = {"model": model, "variant": variant, **_spawn(job, flags, tmp)}
+                if "error" not in run:
+                    run["grads"] = str(grads)
+                model_runs.append(run)
+            ran = [r["variant"] for r in model_runs if "error" not in r]
+            job = {"task": "time", "model": model, "variants": ran, "sizes": sizes[model]}
+            job["steps"] = args.steps
+            print(
+                f"[{next(tasks)}/{total}] {model} / step times of {len(ran)} variants, "
+                "interleaved ...",
+                end=" ",
+                flush=True,
+            )
+            timing = _spawn(job, flags, tmp)
+            for run in model_runs:
+                if run["variant"] in timing.get("step_ms", {}):
+                    run["step_ms"] = timing["step_ms"][run["variant"]]
+            runs += model_runs
+        compare(runs)
+    for run in runs:
+        run.pop("grads", None)
+    table = render_table(runs)
+    print()
+    print(table)
+    report = {
+        "config": {
+            "sizes": sizes,
+            "steps": args.steps,
+            "barriers_kept": not args.stock,
+            "xla_flags": flags,
+        },
+        "runs": runs,
+    }
+    json_path = args.out / "bench.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    chart = render_chart(runs, args.out / "bench.png")
+    print(f"\nwrote {json_path}" + (f" and {chart}" if chart else " (no matplotlib: no chart)"))
+    print(f"total {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def _spawn(job: dict[str, Any], flags: str, tmp: Path) -> dict[str, Any]:
+    """Run ``job`` in a fresh Python (XLA reads its flags at start-up) and return its result."""
+    result_path = Path(tempfile.mkstemp(dir=tmp, suffix=".json")[1])
+    job = dict(job, result=str(result_path))
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env["XLA_FLAGS"] = f"{flags} --xla_dump_to={tmp / ('dump-' + result_path.stem)}".strip()
+    command = [sys.executable, "-m", "xla_wrap.bench", "--worker", json.dumps(job)]
+    t0 = time.monotonic()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    text = result_path.read_text()
+    if text:
+        result: dict[str, Any] = json.loads(text)
+    else:  # the process died (an abort inside XLA, say): report its last words
+        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
+        result = {"error": f"process died (exit {done.returncode}): {lines[-1][:200]}"}
+    status = f"crashed: {result['error']}" if "error" in result else "ok"
+    print(f"{status} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return result
+
+
+def _worker_main(job_text: str) -> int:
+    from ._worker import measure, time_variants
+
+    job = json.loads(job_text)
+    if job["task"] == "measure":
+        result = measure(job["model"], job["variant"], job["sizes"], Path(job["grads"]))
+    else:
+        result = time_variants(job["model"], job["variants"], job["sizes"], job["steps"])
+    Path(job["result"]).write_text(json.dumps(result))
+    return 0

@@ -1,0 +1,116 @@
+"""The benchmark's models: the first seed report's conv stack and a transformer-style stack.
+
+Both expose ``blocks`` (an ``nn.ModuleList``) so that every variant checkpoints the same
+blocks, and a ``forward`` that calls each block the same way, keyword arguments included.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class ConvBlock(nn.Sequential):
+    """conv 1x1, ReLU, conv 1x1, ReLU: the block of the first seed report."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(
+            nn.Conv2d(channels, channels, 1),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 1),
+            nn.ReLU(),
+        )
+
+
+class ConvStack(nn.Module):
+    def __init__(self, blocks: int, channels: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + mask
+        weights = self.drop(scores.softmax(dim=-1))
+        return self.proj((weights @ v).transpose(1, 2).reshape(b, s, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm attention and MLP with Dropout; the mask comes as a keyword argument."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), mask))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class TransformerStack(nn.Module):
+    def __init__(self, blocks: int, dim: int, heads: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return self.head(self.norm(x)).pow(2).mean()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and the fixed inputs of its training step (made on the host, seeded)."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The blocks a variant checkpoints (all but the first)."""
+        blocks = self.model.blocks
+        assert isinstance(blocks, nn.ModuleList)
+        return blocks
+
+
+def build(name: str, sizes: dict[str, int]) -> Workload:
+    """Build model ``name`` ("conv" or "transformer") with ``sizes`` on the CPU, seeded."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    if name == "conv":
+        c, hw = sizes["channels"], sizes["size"]
+        model: nn.Module = ConvStack(sizes["blocks"], c)
+        x = torch.randn(sizes["batch"], c, hw, hw, generator=generator)
+        return Workload(model, (x,), {})
+    if name == "transformer":
+        d, s = sizes["dim"], sizes["seq"]
+        model = TransformerStack(sizes["blocks"], d, sizes["heads"])
+        x = torch.randn(sizes["batch"], s, d, generator=generator)
+        causal = torch.full((s, s), float("-inf")).triu(1)
+        return Workload(model, (x,), {"mask": causal})
+    raise ValueError(f"xla_wrap.bench: unknown model {name!r}; choose conv or transformer")

@@ -1,0 +1,68 @@
+"""The checkpointing variants the benchmark compares, each applied to the same blocks.
+
+Each is what a user would write with that tool. ``torch_xla.utils.checkpoint`` rejects keyword
+arguments, so its users bind them with ``functools.partial``; that is what it gets here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+import xla_wrap
+
+
+class _CallThrough(nn.Module):
+    """Calls ``checkpoint_fn(block, *args, **kwargs)``: how function-style APIs are used."""
+
+    def __init__(self, block: nn.Module, checkpoint_fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.block = block
+        self.checkpoint_fn = checkpoint_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpoint_fn(self.block, *args, **kwargs)
+
+
+def _torch_utils(block: nn.Module) -> nn.Module:
+    import torch.utils.checkpoint as tuc
+
+    return _CallThrough(block, lambda b, *a, **k: tuc.checkpoint(b, *a, use_reentrant=False, **k))
+
+
+def _torch_wrapper(block: nn.Module) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return checkpoint_wrapper(block)
+
+
+def _fairscale(block: nn.Module) -> nn.Module:
+    from fairscale.nn.checkpoint import checkpoint_wrapper
+
+    return checkpoint_wrapper(block)
+
+
+def _torch_xla(block: nn.Module) -> nn.Module:
+    from torch_xla.utils.checkpoint import checkpoint
+
+    def call(b: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(functools.partial(b, **kwargs) if kwargs else b, *args)
+
+    return _CallThrough(block, call)
+
+
+def _xla_wrap(block: nn.Module) -> nn.Module:
+    return xla_wrap.checkpoint_wrapper(block)
+
+
+VARIANTS: dict[str, Callable[[nn.Module], nn.Module] | None] = {
+    "none": None,
+    "torch.utils.checkpoint": _torch_utils,
+    "torch checkpoint_wrapper": _torch_wrapper,
+    "fairscale checkpoint_wrapper": _fairscale,
+    "torch_xla.utils.checkpoint": _torch_xla,
+    "xla_wrap": _xla_wrap,
+}
