@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="conv,transformer", help="comma-separated")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     parser.add_argument(
-        "--steps", type=int, default=10, help="timed steps per variant (interleaved, one process)"
+        "--steps", type=int, default=8, help="timed steps per variant (interleaved, one process)"
     )
     parser.add_argument(
         "--size",

@@ -96,6 +96,9 @@ def render_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
     for row, model in zip(axes, models, strict=True):
         ok = [r for r in runs if r["model"] == model and "peak_mib" in r]
         names = [r["variant"] for r in ok]
+        crashed = [r["variant"] for r in runs if r["model"] == model and "error" in r]
+        if crashed:
+            row[0].set_xlabel("crashed: " + ", ".join(crashed), fontsize=8)
         row[0].barh(names, [r["peak_mib"] for r in ok], color="tab:blue")
         floors = [r["floor_mib"] for r in ok]
         if floors:
