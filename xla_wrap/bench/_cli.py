@@ -18,7 +18,7 @@ from ._variants import VARIANTS
 
 DEFAULT_SIZES = {
     "conv": {"blocks": 16, "channels": 256, "size": 14, "batch": 16},
-    "transformer": {"blocks": 8, "dim": 128, "heads": 4, "seq": 128, "batch": 8},
+    "transformer": {"blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8},
 }
 QUICK_SIZES = {
     "conv": {"blocks": 3, "channels": 8, "size": 4, "batch": 2},
