@@ -40,6 +40,40 @@ def test_compare_takes_ratios_against_none_and_checks_gradients(tmp_path: Path) 
     assert table[4].split()[2] == "no" and table[4].endswith("AttributeError: boom")
 
 
+def test_without_a_reference_there_are_no_ratios_and_no_gradient_verdict() -> None:
+    runs = [
+        {"model": "m", "variant": "none", "error": "RuntimeError: reference broke"},
+        {"model": "m", "variant": "xla_wrap", "peak_bytes": 2**20, "flops": 1, "step_ms": 1.0},
+        {
+            "model": "m",
+            "variant": "other",
+            "peak_bytes": 2**20,
+            "flops": 1,
+            "timing_error": "one step ran 2 XLA executions, expected 1",
+        },
+    ]
+    compare(runs)
+    assert runs[1]["peak_mib"] == 1.0 and "peak_ratio" not in runs[1]
+    table = render_table(runs, caption="XLA:CPU, barriers kept").splitlines()
+    assert table[0] == "XLA:CPU, barriers kept"
+    assert table[3].split()[2:5] == ["yes", "-", "1.0"]  # not "NO": nothing to compare with
+    assert table[4].endswith("timing: one step ran 2 XLA executions, expected 1")
+
+
+@pytest.mark.subprocess
+def test_a_worker_that_dies_is_reported_with_its_last_words(tmp_path: Path) -> None:
+    from xla_wrap.bench._cli import _spawn
+
+    # An unknown task makes the worker die before writing a result.
+    result = _spawn({"task": "no-such-task"}, "", tmp_path, timeout=300)
+    assert result["error"].startswith("process died (exit 1): KeyError")
+
+
+def test_steps_must_be_positive() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "0"])
+
+
 def test_size_overrides_are_checked() -> None:
     from xla_wrap.bench._cli import _sizes
 
@@ -69,6 +103,7 @@ def test_cli_smoke_run_writes_json_and_reports_crashes(tmp_path: Path) -> None:
     ours = runs["xla_wrap"]
     for key in ("peak_bytes", "flops", "step_ms", "peak_ratio", "flops_ratio", "time_ratio"):
         assert isinstance(ours[key], (int, float)), key
+    assert ours["step_ms"] > 0 and runs["none"]["step_ms"] > 0
     assert ours["grads_equal"] is True and ours["recompiles"] == 0 and ours["barriers"] >= 2
     assert 1.0 < ours["flops_ratio"] <= 4 / 3
     assert runs["none"]["floor_bytes"] > 0

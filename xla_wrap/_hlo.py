@@ -11,16 +11,20 @@ import math
 import re
 from dataclasses import dataclass
 
-# `%name = f32[16,256]{1,0} opcode(` ; tuple-shaped results start with "(" and are skipped.
-_DEFINITION = re.compile(r"(%[\w.\-]+) = (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w\-]+)\(")
+# `[ROOT] %name = <shape> opcode(`; the shape is `f32[16,<=8]{1,0:T(8,128)}` or a tuple `(...)`.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+) = ")
+_ARRAY_SHAPE = re.compile(r"\w+\[([\d,<=]*)\](?:\{[^}]*\})?")
 _ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*)$", re.MULTILINE)
 _TOTAL = re.compile(r"^Total bytes used: (\d+)", re.MULTILINE)
 FLOP_OPCODES = ("dot", "convolution")
 
 
 def count_instructions(hlo: str, opcode: str) -> int:
-    """How many instructions of ``opcode`` (``"dot"``, ``"opt-barrier"``, ...) ``hlo`` has."""
-    return len(re.findall(rf"\s{re.escape(opcode)}\(", hlo))
+    """How many instructions of ``opcode`` (``"dot"``, ``"opt-barrier"``, ...) ``hlo`` has.
+
+    Only instruction definitions count, not the same word in metadata or attributes.
+    """
+    return sum(1 for inst in _instructions(hlo) if inst.opcode == opcode)
 
 
 @dataclass(frozen=True)
@@ -32,22 +36,61 @@ class _Instruction:
     attributes: str
 
 
+def _closing(text: str, start: int) -> int:
+    """Index of the bracket that closes the one opened at ``text[start]``."""
+    depth = 0
+    for index in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[index], 0)
+        if depth == 0:
+            return index
+    return len(text) - 1
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split an operand list at the commas that are not inside a shape or a layout."""
+    pieces, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            pieces.append(text[start:index])
+            start = index + 1
+    pieces.append(text[start:])
+    return pieces
+
+
 def _instructions(hlo: str) -> list[_Instruction]:
     found = []
     for line in hlo.splitlines():
-        match = _DEFINITION.search(line)
+        match = _INSTRUCTION.match(line)
         if match is None:
             continue
-        name, _, dims, opcode = match.groups()
         rest = line[match.end() :]
-        depth, end = 1, 0
-        for end, char in enumerate(rest):  # noqa: B007 - `end` is used after the loop
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                break
-        operands = tuple(re.findall(r"%[\w.\-]+", rest[:end]))
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        found.append(_Instruction(name, shape, opcode, operands, rest[end + 1 :]))
+        dims: tuple[int, ...] = ()
+        if rest.startswith("("):  # a tuple-shaped result: no dims of its own
+            rest = rest[_closing(rest, 0) + 1 :].lstrip()
+        else:
+            shape = _ARRAY_SHAPE.match(rest)
+            if shape is None:
+                continue
+            dims = tuple(int(d.lstrip("<=")) for d in shape.group(1).split(",") if d)
+            rest = rest[shape.end() :].lstrip()
+        opcode_match = re.match(r"([\w\-]+)\(", rest)
+        if opcode_match is None:
+            continue
+        open_at = opcode_match.end() - 1
+        close_at = _closing(rest, open_at)
+        operands = tuple(
+            "%" + piece.split()[-1].lstrip("%")
+            for piece in _split_top_level(rest[open_at + 1 : close_at])
+            if piece.strip()
+        )
+        name = match.group(1) if match.group(1).startswith("%") else "%" + match.group(1)
+        found.append(
+            _Instruction(name, dims, opcode_match.group(1), operands, rest[close_at + 1 :])
+        )
     return found
 
 
@@ -55,7 +98,8 @@ def flops(hlo: str) -> int:
     """Floating-point operations of the dots and convolutions in ``hlo`` (2 per multiply-add).
 
     Elementwise work is left out: it is small next to matmuls and convolutions, and it is what
-    XLA fuses differently from run to run.
+    XLA fuses differently from run to run. Matmuls a backend rewrote into custom calls (cuBLAS,
+    oneDNN) are not seen, and a dot inside a loop body counts once.
     """
     instructions = _instructions(hlo)
     dims = {i.name: i.dims for i in instructions}

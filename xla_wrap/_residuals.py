@@ -1,15 +1,15 @@
 """What a forward keeps for backward, in the spirit of JAX's ``print_saved_residuals``.
 
-Autograd nodes expose the tensors they saved as ``_saved_*`` attributes (and custom Functions
-as ``saved_tensors``). Walking the graph from a forward's outputs lists every tensor kept alive
-for backward, which op keeps it, and whether it is a parameter, an input, or an activation: the
-part checkpointing exists to shrink.
+Every tensor autograd keeps for backward passes through the saved-tensor pack hook at the
+moment it is saved. Recording it there (rather than reading the ``_saved_*`` attributes of the
+graph afterwards) sees exactly what is kept, and never triggers the unpack hooks of other tools
+(``torch.utils.checkpoint`` recomputes when its saved tensors are read).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,33 +25,35 @@ class Residual:
     """One tensor a forward keeps alive for backward.
 
     Attributes:
-        ops: The autograd nodes that keep it (``"AddmmBackward0"``,
-            ``"CheckpointFunctionBackward"``, ...), first one first.
         shape: Its shape.
         dtype: Its dtype.
         nbytes: Its size in bytes.
-        kind: ``"parameter"`` (a leaf that requires grad, or a view of one, that is not an
-            input), ``"input"`` (one of the call's tensor arguments, or a view of one), or
-            ``"activation"`` (computed by the forward).
+        kind: ``"input"`` (one of the call's tensor arguments, or a view of one),
+            ``"parameter"`` (another leaf that requires grad, or a view of one), or
+            ``"activation"`` (computed by the forward: what checkpointing exists to shrink).
+        made_by: For an activation, the op that computed it (``"relu"``, ``"addmm"``); empty
+            otherwise.
     """
 
-    ops: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
     kind: str
+    made_by: str
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape)) or "scalar"
-        ops = ", ".join(self.ops)
-        return f"{self.kind:<10} {shape:<20} {self.dtype!s:<16} {self.nbytes:>12,d} B  {ops}"
+        return (
+            f"{self.kind:<10} {shape:<20} {self.dtype!s:<16} {self.nbytes:>12,d} B  {self.made_by}"
+        )
 
 
 def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
-    """Run ``function(*args, **kwargs)`` with autograd on and list what it saves for backward.
+    """Run ``function(*args, **kwargs)`` once with autograd on and list what it saves for
+    backward.
 
-    Works on eager and XLA tensors alike (it reads shapes, it executes nothing extra on XLA). A
-    checkpointed block shows up as one ``CheckpointFunctionBackward`` keeping only its inputs.
+    Works on eager and XLA tensors alike; on XLA it only traces (nothing is executed). A block
+    checkpointed by xla_wrap shows up as its inputs alone.
 
     Args:
         function: A module or any callable.
@@ -59,7 +61,7 @@ def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
         **kwargs: Its keyword arguments.
 
     Returns:
-        One :class:`Residual` per distinct saved tensor, in graph order from the outputs.
+        One :class:`Residual` per distinct saved tensor, in the order they were saved.
 
     Raises:
         CheckpointTypeError: If ``function`` is not callable.
@@ -67,34 +69,29 @@ def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     Example:
         >>> import torch, xla_wrap
         >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-        >>> kinds = [r.kind for r in xla_wrap.introspect.saved_residuals(mlp, torch.randn(3, 4))]
-        >>> sorted(kinds)  # the input (kept for the first weight's gradient), the ReLU output
-        ['activation', 'input', 'parameter']
+        >>> residuals = xla_wrap.introspect.saved_residuals(mlp, torch.randn(3, 4))
+        >>> [(r.kind, r.made_by) for r in residuals]  # the input, the ReLU output, a weight
+        [('input', ''), ('activation', 'relu'), ('parameter', '')]
     """
     if not callable(function):
         raise CheckpointTypeError(
             "xla_wrap.introspect.saved_residuals: expected a module or callable, got "
             f"{describe(function)}. Pass what you would call, then its arguments."
         )
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    with torch.enable_grad():
-        out = function(*args, **kwargs)
-    found: dict[Any, tuple[list[str], torch.Tensor]] = {}
-    for op, tensor in _saved_tensors(out):
-        ops, _ = found.setdefault(_identity(tensor), ([], tensor))
-        if op not in ops:
-            ops.append(op)
-    input_roots = {id(_root(t)) for t in inputs}
-    return [
-        Residual(
-            ops=tuple(ops),
-            shape=tuple(tensor.shape),
-            dtype=tensor.dtype,
-            nbytes=tensor.numel() * tensor.element_size(),
-            kind=_kind(tensor, input_roots),
-        )
-        for ops, tensor in found.values()
-    ]
+    input_roots = {
+        id(_root(t)) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    }
+    found: dict[Any, Residual] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _identity(tensor)
+        if key not in found:
+            found[key] = _describe(tensor, input_roots)
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        function(*args, **kwargs)
+    return list(found.values())
 
 
 def format_residuals(residuals: list[Residual]) -> str:
@@ -108,41 +105,8 @@ def format_residuals(residuals: list[Residual]) -> str:
     return "\n".join(lines)
 
 
-def _saved_tensors(out: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    roots = [
-        t.grad_fn
-        for t in pytree.tree_leaves(out)
-        if isinstance(t, torch.Tensor) and t.grad_fn is not None
-    ]
-    # Python wrappers of autograd nodes are made on access and may be freed; keep each one
-    # alive so that its id cannot be reused by another node.
-    seen: dict[int, Any] = {}
-    queue = list(roots)
-    while queue:
-        node = queue.pop(0)
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        for value in _node_saved_values(node):
-            yield node.name(), value
-        queue.extend(child for child, _ in node.next_functions if child is not None)
-
-
-def _node_saved_values(node: Any) -> Iterator[torch.Tensor]:
-    values: list[Any] = []
-    # RuntimeError: freed already (a backward ran without retain_graph).
-    for attribute in dir(node):
-        if attribute.startswith("_saved_"):
-            with contextlib.suppress(RuntimeError):
-                values.append(getattr(node, attribute))
-    if hasattr(node, "saved_tensors"):  # custom autograd.Function nodes
-        with contextlib.suppress(RuntimeError):
-            values.extend(node.saved_tensors)
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (tuple, list)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
@@ -163,10 +127,23 @@ def _identity(tensor: torch.Tensor) -> Any:
     )
 
 
-def _kind(tensor: torch.Tensor, input_roots: set[int]) -> str:
+def _describe(tensor: torch.Tensor, input_roots: set[int]) -> Residual:
     root = _root(tensor)
+    made_by = ""
     if id(root) in input_roots or id(tensor) in input_roots:
-        return "input"
-    if root.is_leaf and root.requires_grad:
-        return "parameter"
-    return "activation"
+        kind = "input"
+    elif root.is_leaf and root.requires_grad:
+        kind = "parameter"
+    else:
+        kind = "activation"
+        node = tensor.grad_fn
+        # ReluBackward0 -> relu, AddmmBackward0 -> addmm, CheckpointFunctionBackward -> ...
+        name = node.name() if node is not None else "no grad"
+        made_by = re.sub(r"Backward\d*$", "", name).lower()
+    return Residual(
+        shape=tuple(tensor.shape),
+        dtype=tensor.dtype,
+        nbytes=tensor.numel() * tensor.element_size(),
+        kind=kind,
+        made_by=made_by,
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ from ._residuals import Residual, format_residuals, saved_residuals
 
 __all__ = [
     "CompiledProgram",
+    "RecomputeCost",
     "Residual",
     "compiled_memory",
     "compiled_programs",
@@ -42,10 +44,12 @@ __all__ = [
     "format_residuals",
     "hlo_flops",
     "pending_hlo",
+    "recompute_cost",
     "saved_residuals",
 ]
 
-_BUFFER_ASSIGNMENT_SUFFIX = "after_optimizations-buffer-assignment.txt"
+# module_0003.SyncTensorsGraph.412.cpu_after_optimizations-buffer-assignment.txt
+_BUFFER_ASSIGNMENT = re.compile(r"^(.*?)\.(?:\w+_)?after_optimizations-buffer-assignment\.txt$")
 
 count_instructions = _hlo.count_instructions
 
@@ -64,7 +68,7 @@ class CompiledProgram:
     """One program XLA compiled, from its dumps.
 
     Attributes:
-        name: XLA's module name (``module_0003.SyncTensorsGraph.412``).
+        name: XLA's module name as dumped (``module_0003.SyncTensorsGraph.412``).
         total_bytes: Peak device memory of the program (XLA's buffer assignment).
         argument_bytes: The part taken by the program's arguments (parameters, inputs).
         output_bytes: The part taken by its outputs.
@@ -178,16 +182,16 @@ def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
     new = sorted(_files(directory) - before)
     programs = []
     for path in new:
-        if not path.name.endswith(_BUFFER_ASSIGNMENT_SUFFIX):
+        match = _BUFFER_ASSIGNMENT.match(path.name)
+        if match is None:
             continue
-        prefix = path.name[: -len(_BUFFER_ASSIGNMENT_SUFFIX)]
         assignment = _hlo.parse_buffer_assignment(path.read_text())
-        hlo_path = path.with_name(prefix + "after_optimizations.txt")
+        hlo_path = path.with_name(path.name.replace("-buffer-assignment", ""))
         if assignment is None or not hlo_path.exists():
             continue
         programs.append(
             CompiledProgram(
-                name=prefix.rstrip("."),
+                name=match.group(1),
                 total_bytes=assignment.total,
                 argument_bytes=assignment.arguments,
                 output_bytes=assignment.outputs,
@@ -205,6 +209,39 @@ def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
             "`step`."
         )
     return sorted(programs, key=lambda p: p.total_bytes, reverse=True)
+
+
+@dataclass(frozen=True)
+class RecomputeCost:
+    """What a checkpointed program computes beyond the plain one (see :func:`recompute_cost`)."""
+
+    extra_dots: int
+    extra_convolutions: int
+    extra_flops: int
+    flops_ratio: float
+
+
+def recompute_cost(plain: CompiledProgram, checkpointed: CompiledProgram) -> RecomputeCost:
+    """The dot and convolution work a checkpointed step adds to the same step without
+    checkpointing, both read from their optimized HLO.
+
+    Full recomputation adds at most one forward of the checkpointed blocks: a FLOP ratio of at
+    most 4/3 when every block is checkpointed. A ratio of 1.0 means XLA merged the
+    recomputation back into the forward (no barrier), and saved no memory either.
+
+    Example:
+        >>> cost = introspect.recompute_cost(plain, checkpointed)  # doctest: +SKIP
+        >>> cost.flops_ratio  # doctest: +SKIP
+        1.32
+    """
+    plain_flops = plain.flops
+    extra = checkpointed.flops - plain_flops
+    return RecomputeCost(
+        extra_dots=checkpointed.count("dot") - plain.count("dot"),
+        extra_convolutions=checkpointed.count("convolution") - plain.count("convolution"),
+        extra_flops=extra,
+        flops_ratio=checkpointed.flops / plain_flops if plain_flops else float("nan"),
+    )
 
 
 def compiled_memory(step: Callable[[], Any]) -> CompiledProgram:

@@ -18,11 +18,11 @@ from ._variants import VARIANTS
 
 DEFAULT_SIZES = {
     "conv": {"blocks": 16, "channels": 256, "size": 14, "batch": 16},
-    "transformer": {"blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8},
+    "transformer": {"blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8, "dropout_pct": 10},
 }
 QUICK_SIZES = {
     "conv": {"blocks": 3, "channels": 8, "size": 4, "batch": 2},
-    "transformer": {"blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 2},
+    "transformer": {"blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 2, "dropout_pct": 10},
 }
 
 
@@ -37,7 +37,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="conv,transformer", help="comma-separated")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     parser.add_argument(
-        "--steps", type=int, default=8, help="timed steps per variant (interleaved, one process)"
+        "--steps",
+        type=_positive,
+        default=8,
+        help="timed steps per variant (interleaved, one process)",
+    )
+    parser.add_argument(
+        "--timeout", type=_positive, default=1800, help="seconds one process may take"
     )
     parser.add_argument(
         "--size",
@@ -53,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON and PNG")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def _sizes(args: argparse.Namespace, models: list[str]) -> dict[str, dict[str, int]]:
@@ -104,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 job = {"task": "measure", "model": model, "variant": variant}
                 job.update(sizes=sizes[model], grads=str(grads))
                 print(f"[{next(tasks)}/{total}] {model} / {variant} ...", end=" ", flush=True)
-                run = {"model": model, "variant": variant, **_spawn(job, flags, tmp)}
+                run = {"model": model, "variant": variant, **_spawn(job, flags, tmp, args.timeout)}
                 if "error" not in run:
                     run["grads"] = str(grads)
                 model_runs.append(run)
@@ -117,15 +129,19 @@ def main(argv: list[str] | None = None) -> int:
                 end=" ",
                 flush=True,
             )
-            timing = _spawn(job, flags, tmp)
+            timing = _spawn(job, flags, tmp, args.timeout)
             for run in model_runs:
-                if run["variant"] in timing.get("step_ms", {}):
-                    run["step_ms"] = timing["step_ms"][run["variant"]]
+                variant = run["variant"]
+                if variant in timing.get("step_ms", {}):
+                    run["step_ms"] = timing["step_ms"][variant]
+                elif "error" not in run:
+                    reason = timing.get("errors", {}).get(variant) or timing.get("error")
+                    run["timing_error"] = reason or "not timed"
             runs += model_runs
         compare(runs)
     for run in runs:
         run.pop("grads", None)
-    table = render_table(runs)
+    table = render_table(runs, caption=f"XLA:CPU, {mode}")
     print()
     print(table)
     report = {
@@ -145,30 +161,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _spawn(job: dict[str, Any], flags: str, tmp: Path) -> dict[str, Any]:
-    """Run ``job`` in a fresh Python (XLA reads its flags at start-up) and return its result."""
-    result_path = Path(tempfile.mkstemp(dir=tmp, suffix=".json")[1])
+def _spawn(job: dict[str, Any], flags: str, tmp: Path, timeout: float) -> dict[str, Any]:
+    """Run ``job`` in a fresh Python (XLA reads its flags at start-up) and return its result,
+    or an error saying how the process ended."""
+    handle, name = tempfile.mkstemp(dir=tmp, suffix=".json")
+    os.close(handle)
+    result_path = Path(name)
     job = dict(job, result=str(result_path))
     env = dict(os.environ, PJRT_DEVICE="CPU")
-    env["XLA_FLAGS"] = f"{flags} --xla_dump_to={tmp / ('dump-' + result_path.stem)}".strip()
+    dump = tmp / ("dump-" + result_path.stem)
+    # The user's own XLA flags stay; ours come last so that they win.
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), flags, f"--xla_dump_to={dump}"]).strip()
     command = [sys.executable, "-m", "xla_wrap.bench", "--worker", json.dumps(job)]
     t0 = time.monotonic()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    text = result_path.read_text()
-    if text:
-        result: dict[str, Any] = json.loads(text)
-    else:  # the process died (an abort inside XLA, say): report its last words
-        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
-        result = {"error": f"process died (exit {done.returncode}): {lines[-1][:200]}"}
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        result = _read_result(result_path, done)
+    except subprocess.TimeoutExpired:
+        result = {"error": f"timed out after {timeout:.0f} s (raise --timeout)"}
     status = f"crashed: {result['error']}" if "error" in result else "ok"
     print(f"{status} ({time.monotonic() - t0:.0f} s)", flush=True)
     return result
+
+
+def _read_result(path: Path, done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = json.loads(path.read_text())
+        return result
+    except (OSError, ValueError):
+        pass
+    # The process died (an abort inside XLA, say): report its most telling last words.
+    lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+    telling = [
+        line for line in lines if "rror" in line or "Check failed" in line or "abort" in line
+    ]
+    last = (telling or lines or [""])[-1][:200]
+    return {"error": f"process died (exit {done.returncode}): {last}"}
 
 
 def _worker_main(job_text: str) -> int:
     from ._worker import measure, time_variants
 
     job = json.loads(job_text)
+    if job["task"] not in ("measure", "time"):
+        raise KeyError(f"unknown benchmark task {job['task']!r}")
     if job["task"] == "measure":
         result = measure(job["model"], job["variant"], job["sizes"], Path(job["grads"]))
     else:

@@ -70,9 +70,9 @@ class TransformerBlock(nn.Module):
 
 
 class TransformerStack(nn.Module):
-    def __init__(self, blocks: int, dim: int, heads: int) -> None:
+    def __init__(self, blocks: int, dim: int, heads: int, dropout: float) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(blocks))
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, dropout) for _ in range(blocks))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, dim)
 
@@ -109,7 +109,7 @@ def build(name: str, sizes: dict[str, int]) -> Workload:
         return Workload(model, (x,), {})
     if name == "transformer":
         d, s = sizes["dim"], sizes["seq"]
-        model = TransformerStack(sizes["blocks"], d, sizes["heads"])
+        model = TransformerStack(sizes["blocks"], d, sizes["heads"], sizes["dropout_pct"] / 100)
         x = torch.randn(sizes["batch"], s, d, generator=generator)
         causal = torch.full((s, s), float("-inf")).triu(1)
         return Workload(model, (x,), {"mask": causal})

@@ -28,10 +28,12 @@ def compare(runs: list[dict[str, Any]]) -> None:
     references = {r["model"]: r for r in runs if r["variant"] == "none" and "error" not in r}
     for run in runs:
         run["runs"] = "error" not in run
-        reference = references.get(run["model"])
-        if "error" in run or reference is None:
+        if "error" in run:
             continue
         run["peak_mib"] = run["peak_bytes"] / 2**20
+        reference = references.get(run["model"])
+        if reference is None:  # the reference itself crashed: no ratios, no gradient check
+            continue
         run["peak_ratio"] = run["peak_bytes"] / reference["peak_bytes"]
         run["floor_mib"] = reference["floor_bytes"] / 2**20
         run["floor_ratio"] = run["peak_bytes"] / reference["floor_bytes"]
@@ -53,11 +55,14 @@ def _cell(run: dict[str, Any], key: str) -> str:
     if key in ("model", "variant"):
         return str(value)
     if key == "error":
-        return str(value or "")[:90]
+        text = value or (f"timing: {run['timing_error']}" if "timing_error" in run else "")
+        return str(text)[:90]
     if key == "runs":
         return "no" if "error" in run else "yes"
     if key == "grads_equal" and "error" not in run:
-        return "reference" if run["variant"] == "none" else ("yes" if value else "NO")
+        if run["variant"] == "none":
+            return "reference"
+        return "-" if value is None else ("yes" if value else "NO")
     if value is None:
         return "-"
     if key.endswith("_ratio"):
@@ -67,7 +72,8 @@ def _cell(run: dict[str, Any], key: str) -> str:
     return str(value)
 
 
-def render_table(runs: list[dict[str, Any]]) -> str:
+def render_table(runs: list[dict[str, Any]], caption: str = "") -> str:
+    """The runs as an aligned text table, under ``caption`` (say how XLA was configured)."""
     rows = [tuple(title for _, title in COLUMNS)]
     rows += [tuple(_cell(run, key) for key, _ in COLUMNS) for run in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -78,7 +84,7 @@ def render_table(runs: list[dict[str, Any]]) -> str:
             for i, (cell, width) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+    return "\n".join([caption, *lines] if caption else lines)
 
 
 def render_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
@@ -100,7 +106,7 @@ def render_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
         if crashed:
             row[0].set_xlabel("crashed: " + ", ".join(crashed), fontsize=8)
         row[0].barh(names, [r["peak_mib"] for r in ok], color="tab:blue")
-        floors = [r["floor_mib"] for r in ok]
+        floors = [r["floor_mib"] for r in ok if "floor_mib" in r]
         if floors:
             row[0].axvline(floors[0], color="black", linestyle="--", label="estimated floor")
             row[0].legend(loc="lower right")

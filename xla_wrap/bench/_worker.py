@@ -33,24 +33,55 @@ def measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) -
 
 
 def time_variants(model_name: str, variants: list[str], sizes: dict[str, int], steps: int) -> dict:
-    """Median XLA execution time (ms) per variant, all in this process, steps interleaved."""
-    try:
-        import torch_xla.debug.metrics as met
+    """Median XLA execution time (ms) per variant, all in this process, steps interleaved.
 
-        prepared = {v: _prepare(model_name, v, sizes) for v in variants}
-        for _ in range(WARM_UP_STEPS):
-            for step in prepared.values():
-                step()
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        order = list(variants)
-        for _ in range(steps):
-            for variant in order:
-                prepared[variant]()
-                times[variant].append(met.metric_data("ExecuteTime")[2][-1][1] / 1e6)
-            order = order[1:] + order[:1]  # rotate, so no variant always runs first
-        return {"step_ms": {v: statistics.median(t) for v, t in times.items()}}
-    except Exception as error:
-        return _error(error)
+    Each step waits for its execution to finish before its ``ExecuteTime`` sample is read, and
+    must add exactly one sample (one execution per step). A variant that fails here is dropped
+    with its error; the others go on.
+    """
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    steps_by_variant: dict[str, Callable[[], torch.Tensor]] = {}
+    errors: dict[str, str] = {}
+    for variant in variants:
+        try:
+            steps_by_variant[variant] = _prepare(model_name, variant, sizes)
+        except Exception as error:
+            errors[variant] = _error(error)["error"]
+    times: dict[str, list[float]] = {v: [] for v in steps_by_variant}
+
+    def timed(variant: str) -> float:
+        before = _execute_count(met)
+        steps_by_variant[variant]()
+        xm.wait_device_ops()
+        executions = _execute_count(met) - before
+        if executions != 1:
+            raise RuntimeError(f"one step ran {executions} XLA executions, expected 1")
+        return float(met.metric_data("ExecuteTime")[2][-1][1]) / 1e6
+
+    order = list(steps_by_variant)
+    for round_index in range(WARM_UP_STEPS + steps):
+        for variant in order:
+            if variant in errors:
+                continue
+            try:
+                elapsed = timed(variant)
+            except Exception as error:
+                errors[variant] = _error(error)["error"]
+                continue
+            if round_index >= WARM_UP_STEPS:
+                times[variant].append(elapsed)
+        order = order[1:] + order[:1]  # rotate, so no variant always runs first
+    return {
+        "step_ms": {v: statistics.median(t) for v, t in times.items() if t and v not in errors},
+        "errors": errors,
+    }
+
+
+def _execute_count(met: Any) -> int:
+    data = met.metric_data("ExecuteTime")
+    return int(data[0]) if data else 0
 
 
 def _error(error: Exception) -> dict:
