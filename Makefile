@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 test: venv
 	$(PY) -m pytest -q
 
-# Every checkpointing tool side by side on XLA:CPU (about 5 minutes on 2 cores).
+# Every checkpointing tool side by side on XLA:CPU (about 6 minutes on 2 cores).
 demo: venv
 	$(PY) -m xla_wrap.bench --out bench-results
 
