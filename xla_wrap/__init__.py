@@ -9,6 +9,7 @@ under their original names.
 """
 
 from . import introspect as introspect
+from . import wrap as wrap
 from ._apply import apply_activation_checkpointing as apply_activation_checkpointing
 from ._barrier import optimization_barrier as optimization_barrier
 from ._checkpoint import checkpoint as checkpoint
@@ -40,4 +41,5 @@ __all__ = [
     "introspect",
     "is_recomputing",
     "optimization_barrier",
+    "wrap",
 ]

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch import nn
 
-from ._errors import CheckpointTypeError, describe
+from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._wrapper import CheckpointWrapper, make_options
+from .wrap import Policy
 
 M = TypeVar("M", bound=nn.Module)
 
 
 def apply_activation_checkpointing(
-    model: M, check_fn: Callable[[nn.Module], bool], **wrapper_options: Any
+    model: M, check_fn: Callable[[nn.Module], bool] | Policy, **wrapper_options: Any
 ) -> M:
-    """Wrap, in place, every submodule of ``model`` for which ``check_fn`` returns True.
+    """Wrap, in place, every submodule of ``model`` that ``check_fn`` selects.
+
+    ``check_fn`` is either a callable ``check_fn(module) -> bool`` or a policy from
+    :mod:`xla_wrap.wrap` (by type, by name, by size, every n-th, combinations). A policy sees the
+    whole model at once; one that selects nothing gives a warning, and one that selects the
+    model itself is refused.
 
     Children are visited before their parents (post-order), so ``check_fn`` sees a parent whose
     selected children are already wrapped. The root is never wrapped (it cannot be replaced in
@@ -36,6 +43,7 @@ def apply_activation_checkpointing(
     Raises:
         CheckpointTypeError: If ``model`` is not an ``nn.Module``, ``check_fn`` is not
             callable, or an option is unknown.
+        CheckpointValueError: If a policy selects ``model`` itself.
         NotImplementedError: If ``offload_to_cpu`` is True (not available yet).
 
     Example:
@@ -52,10 +60,11 @@ def apply_activation_checkpointing(
             f"{api}: expected an nn.Module as `model`, got {describe(model)}. Pass the model "
             "whose submodules should be checkpointed."
         )
-    if not callable(check_fn):
+    if not (isinstance(check_fn, Policy) or callable(check_fn)):
         raise CheckpointTypeError(
-            f"{api}: expected a callable `check_fn(module) -> bool`, got {describe(check_fn)}. "
-            "Example: `check_fn=lambda m: isinstance(m, Block)`."
+            f"{api}: expected a callable `check_fn(module) -> bool` or an xla_wrap.wrap policy, "
+            f"got {describe(check_fn)}. Example: `check_fn=lambda m: isinstance(m, Block)` or "
+            "`xla_wrap.wrap.by_type(Block)`."
         )
     try:
         options = make_options(api, **wrapper_options)
@@ -64,6 +73,8 @@ def apply_activation_checkpointing(
             f"{api}: expected wrapper options among `preserve_rng_state` and `offload_to_cpu`, "
             f"got {sorted(wrapper_options)}. Pass only those, as keywords."
         ) from None
+    if isinstance(check_fn, Policy):
+        check_fn = _resolved(api, check_fn, model)
     replacement: dict[int, nn.Module] = {}
     considered: set[int] = {id(model)}
 
@@ -86,3 +97,23 @@ def apply_activation_checkpointing(
 
     visit(model)
     return model
+
+
+def _resolved(api: str, policy: Policy, model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Turn a policy into the per-module test for ``model``, refusing what cannot be done."""
+    selected = policy.select(model)
+    if any(module is model for _, module in selected):
+        raise CheckpointValueError(
+            f"{api}: the policy {policy!r} selects the model itself "
+            f"({type(model).__name__}), which cannot be replaced in place. Narrow the policy "
+            "to its submodules, or wrap the model yourself: "
+            "`model = xla_wrap.checkpoint_wrapper(model)`."
+        )
+    if not selected:
+        warnings.warn(
+            f"{api}: the policy {policy!r} selects no submodule of {type(model).__name__}; "
+            "nothing is checkpointed. Check the classes, names or sizes it looks for.",
+            stacklevel=3,
+        )
+    chosen = {id(module) for _, module in selected}
+    return lambda module: id(module) in chosen
