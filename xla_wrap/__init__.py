@@ -8,6 +8,7 @@ the CPU/CUDA/XLA random generators so Dropout recomputes exactly, and presents w
 under their original names.
 """
 
+from . import fsdp as fsdp
 from . import introspect as introspect
 from . import wrap as wrap
 from ._apply import apply_activation_checkpointing as apply_activation_checkpointing
@@ -38,6 +39,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_wrapper",
+    "fsdp",
     "introspect",
     "is_recomputing",
     "optimization_barrier",

@@ -136,6 +136,19 @@ def checkpoint_backward_status() -> Iterator[None]:
         status.in_chkpt_bwd = previous
 
 
+def xla_fsdp_class() -> type:
+    """torch_xla's ``XlaFullyShardedDataParallel`` (imported on request: FSDP helpers only)."""
+    try:
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+    except ImportError:
+        raise ImportError(
+            "xla_wrap.fsdp: XLA FSDP needs torch_xla; install it with `pip install "
+            "'xla_wrap[xla]'`, or pass the FSDP class to use as `fsdp_class=`."
+        ) from None
+    fsdp: type = XlaFullyShardedDataParallel
+    return fsdp
+
+
 def barrier_stripping_active(device_type: str, xla_flags: str | None = None) -> bool:
     """Whether XLA will delete optimization barriers before CSE on this backend.
 

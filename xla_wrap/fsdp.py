@@ -1,0 +1,64 @@
+"""Checkpointing inside FSDP-sharded training: ready-made pieces for FSDP's auto-wrapping.
+
+FSDP's ``auto_wrap_policy`` decides which submodules become sharded units, and its
+``auto_wrapper_callable`` builds each unit. These helpers make every unit
+``FSDP(checkpoint_wrapper(block))`` from an :mod:`xla_wrap.wrap` policy, without a lambda:
+
+    >>> from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+    >>> from xla_wrap import fsdp, wrap
+    >>> policy = wrap.by_type(DecoderLayer)                                      # doctest: +SKIP
+    >>> model = FSDP(model, auto_wrap_policy=fsdp.auto_wrap_policy(policy, model),
+    ...              auto_wrapper_callable=fsdp.auto_wrapper_callable())         # doctest: +SKIP
+
+Checkpointing *inside* the FSDP unit (``FSDP(checkpoint_wrapper(block))``) is the order to
+prefer: the recomputation runs under FSDP's own backward gather, and xla_wrap's barrier keeps
+XLA from merging that gather with the forward's. See docs/fsdp.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from . import _xla
+from ._wrapper import checkpoint_wrapper, make_options
+from .wrap import Policy
+
+__all__ = ["auto_wrap_policy", "auto_wrapper_callable"]
+
+
+def auto_wrap_policy(policy: Policy, model: nn.Module) -> Callable[..., bool]:
+    """FSDP's ``auto_wrap_policy`` callback for the submodules ``policy`` selects in ``model``.
+
+    Works with torch_xla's FSDP (``module=, recurse=, unwrapped_params=``) and PyTorch's FSDP1
+    (``module, recurse, nonwrapped_numel``): FSDP recurses everywhere, and wraps exactly the
+    selected modules. The selection is made on ``model`` as it is now, before FSDP wraps
+    anything, so pass the model you are about to give FSDP.
+    """
+    chosen = {id(module) for _, module in policy.select(model)}
+
+    def callback(module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        return True if recurse else id(module) in chosen
+
+    return callback
+
+
+def auto_wrapper_callable(
+    *, fsdp_class: type | None = None, **checkpoint_options: Any
+) -> Callable[..., nn.Module]:
+    """FSDP's ``auto_wrapper_callable``: build each unit as ``FSDP(checkpoint_wrapper(m))``.
+
+    Args:
+        fsdp_class: The FSDP class; torch_xla's ``XlaFullyShardedDataParallel`` if omitted.
+        **checkpoint_options: Options for :func:`xla_wrap.checkpoint_wrapper`.
+    """
+    make_options("xla_wrap.fsdp.auto_wrapper_callable", **checkpoint_options)  # fail early
+    fsdp = fsdp_class or _xla.xla_fsdp_class()
+
+    def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        unit: nn.Module = fsdp(checkpoint_wrapper(module, **checkpoint_options), *args, **kwargs)
+        return unit
+
+    return build
