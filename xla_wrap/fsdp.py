@@ -10,9 +10,8 @@ FSDP's ``auto_wrap_policy`` decides which submodules become sharded units, and i
     >>> model = FSDP(model, auto_wrap_policy=fsdp.auto_wrap_policy(policy, model),
     ...              auto_wrapper_callable=fsdp.auto_wrapper_callable())         # doctest: +SKIP
 
-Checkpointing *inside* the FSDP unit (``FSDP(checkpoint_wrapper(block))``) is the order to
-prefer: the recomputation runs under FSDP's own backward gather, and xla_wrap's barrier keeps
-XLA from merging that gather with the forward's. See docs/fsdp.md.
+Both nesting orders give FSDP's own loss and gradients (tested with torch_xla's FSDP in one
+process); docs/fsdp.md says which to choose and what is still to be measured.
 """
 
 from __future__ import annotations
