@@ -51,10 +51,10 @@ class Policy:
         raise NotImplementedError
 
     def __and__(self, other: Policy) -> Policy:
-        return _Both(self, _checked(other, "&"))
+        return _Combined(self, _checked(other, "&"), both=True)
 
     def __or__(self, other: Policy) -> Policy:
-        return _Either(self, _checked(other, "|"))
+        return _Combined(self, _checked(other, "|"), both=False)
 
 
 @dataclass(frozen=True)
@@ -123,35 +123,27 @@ class _EveryNth(Policy):
 
 
 @dataclass(frozen=True)
-class _Both(Policy):
+class _Combined(Policy):
+    """``left & right`` (``both``) or ``left | right``."""
+
     left: Policy
     right: Policy
+    both: bool
 
     def select(self, model: nn.Module) -> list[Named]:
+        left = self.left.select(model)
         right = {id(m) for _, m in self.right.select(model)}
-        return [(n, m) for n, m in self.left.select(model) if id(m) in right]
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        return self.left.accepts(name, module) and self.right.accepts(name, module)
-
-    def __repr__(self) -> str:
-        return f"({self.left!r} & {self.right!r})"
-
-
-@dataclass(frozen=True)
-class _Either(Policy):
-    left: Policy
-    right: Policy
-
-    def select(self, model: nn.Module) -> list[Named]:
-        chosen = {id(m) for _, m in (*self.left.select(model), *self.right.select(model))}
+        if self.both:
+            return [(n, m) for n, m in left if id(m) in right]
+        chosen = right | {id(m) for _, m in left}
         return [(n, m) for n, m in model.named_modules() if id(m) in chosen]
 
     def accepts(self, name: str, module: nn.Module) -> bool:
-        return self.left.accepts(name, module) or self.right.accepts(name, module)
+        left, right = self.left.accepts(name, module), self.right.accepts(name, module)
+        return (left and right) if self.both else (left or right)
 
     def __repr__(self) -> str:
-        return f"({self.left!r} | {self.right!r})"
+        return f"({self.left!r} {'&' if self.both else '|'} {self.right!r})"
 
 
 def by_type(*types: type | Iterable[type]) -> Policy:
