@@ -219,7 +219,7 @@ def _compile_conv_stack_step(
         h.sum().backward()
         torch_xla.sync()
 
-    return introspect.compiled_programs(step)[0]
+    return introspect.compiled_memory(step)
 
 
 def test_compiled_peak_falls_and_recomputation_survives(xla_device: torch.device) -> None:
