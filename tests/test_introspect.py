@@ -58,6 +58,25 @@ def test_flops_and_counts_in_hlo_text() -> None:
     assert introspect.count_instructions(_HLO, "convolution") == 1
 
 
+_GATHERS = """
+  %shard = f32[4]{0} parameter(0)
+  %barrier = (f32[4]{0}, f32[2]{0}) opt-barrier((f32[4]{0}, f32[2]{0}) %tuple.1)
+  %forward = f32[16]{0} all-gather(%shard), dimensions={0}
+  %gte = f32[4]{0} get-tuple-element(%barrier), index=0
+  %moved = f32[4]{0} copy(%gte)
+  %again = f32[16]{0} all-gather(%moved), dimensions={0}
+  %computed = f32[4]{0} add(%gte, %shard)
+  %other = f32[16]{0} all-gather(%computed), dimensions={0}
+"""
+
+
+def test_count_instructions_reading_a_barrier_follows_data_movement_only() -> None:
+    assert introspect.count_instructions(_GATHERS, "all-gather") == 3
+    # %again reads the barrier through a tuple access and a copy; %other reads a computed value.
+    assert introspect.count_instructions(_GATHERS, "all-gather", reading="opt-barrier") == 1
+    assert introspect.count_instructions(_GATHERS, "all-gather", reading="parameter") == 1
+
+
 def test_recompute_cost_is_the_difference_of_two_programs() -> None:
     def program(hlo: str) -> introspect.CompiledProgram:
         return introspect.CompiledProgram("m", 1, 0, 0, 1, hlo)

@@ -11,6 +11,11 @@ follows the recipe that makes rematerialization survive XLA (JAX's, and the seed
 2. the callable runs again on those barriered values, with the forward's RNG and autocast state;
 3. gradients flow from the incoming gradients through the recomputed graph.
 
+Under SPMD the barrier's outputs carry no sharding: XLA's sharding propagation does not pass
+through it, and the partitioner then replicates the recomputation and gathers its activations
+in full. Each incoming gradient is therefore annotated with the sharding of the output it
+belongs to (recorded in the forward, or found on the recomputed output).
+
 Parameters are explicit inputs of the Function, so a block whose inputs need no gradient (the
 first layer) still gives its parameters gradients. Tensors the callable reaches by other routes
 (FSDP's views of flattened parameters, closures) receive gradients through the recomputed graph
@@ -47,6 +52,7 @@ class CheckpointCall:
     rng: _rng.RngSnapshot | None = None
     autocast: _autocast.AutocastSnapshot | None = None
     outputs: Flat | None = field(default=None, repr=False)
+    output_shardings: list[object | None] = field(default_factory=list, repr=False)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
         args, kwargs = self.inputs.rebuild(inputs)
@@ -76,6 +82,7 @@ class CheckpointFunction(torch.autograd.Function):
         _check_inputs_unchanged(call, inputs, versions)
         # Keep structure and non-tensor values only: holding the output tensors here would
         # make a reference cycle through their grad_fn.
+        call.output_shardings = [_xla.sharding(t) for t in outputs.tensors]
         call.outputs = outputs.without_tensors()
         call.inputs = call.inputs.without_tensors()
         ctx.set_materialize_grads(False)
@@ -138,6 +145,8 @@ class CheckpointFunction(torch.autograd.Function):
 
         assert call.outputs is not None
         _check_same_outputs(call, call.outputs, recomputed)
+        for i, grad in zip(present, grad_copies, strict=True):
+            _shard_like_output(grad, recomputed.tensors[i], call.output_shardings[i])
         pairs = [
             (recomputed.tensors[i], g)
             for i, g in zip(present, grad_copies, strict=True)
@@ -149,6 +158,48 @@ class CheckpointFunction(torch.autograd.Function):
         input_grads = [c.grad if c.requires_grad else None for c in input_copies]
         param_grads = [c.grad if c.requires_grad else None for c in param_copies]
         return (None, None, *input_grads, *param_grads)
+
+
+def _shard_like_output(
+    grad: torch.Tensor, output: torch.Tensor, forward_sharding: object | None
+) -> None:
+    """Give a barriered gradient the sharding of its output, if that output had one."""
+    if _xla.sharding(grad) is not None:
+        return
+    op_sharding = _xla.sharding(output) or forward_sharding
+    if op_sharding is not None:
+        _xla.shard_like(grad, op_sharding)
+    elif _xla.is_xla_tensor(grad) and _xla.spmd_active():
+        _xla.warn_unsharded_gradient_once()
+
+
+def record_output_sharding(output: torch.Tensor) -> bool:
+    """Record the sharding given to ``output`` after a checkpoint returned it.
+
+    SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
+    made of the checkpoint's output. This walks from ``output`` back through such pass-through
+    nodes to the checkpoint that produced it, so that its backward shards the gradient the same
+    way. Returns whether a checkpoint was found.
+    """
+    op_sharding = _xla.sharding(output)
+    node, index = output.grad_fn, output.output_nr
+    for _ in range(_MAX_ALIAS_HOPS):
+        if node is None:
+            return False
+        if isinstance(node, CheckpointFunction._backward_cls):
+            call: CheckpointCall = node.call
+            if op_sharding is not None and index < len(call.output_shardings):
+                call.output_shardings[index] = op_sharding
+            return True
+        if type(node).__name__ not in _PASS_THROUGH_NODES:
+            return False
+        node, index = node.next_functions[index]
+    return False
+
+
+# Autograd nodes that hand their inputs on unchanged, one output per input.
+_PASS_THROUGH_NODES = {"BackwardHookFunctionBackward", "AliasBackward0"}
+_MAX_ALIAS_HOPS = 4
 
 
 def _check_inputs_unchanged(

@@ -19,12 +19,38 @@ _TOTAL = re.compile(r"^Total bytes used: (\d+)", re.MULTILINE)
 FLOP_OPCODES = ("dot", "convolution")
 
 
-def count_instructions(hlo: str, opcode: str) -> int:
+def count_instructions(hlo: str, opcode: str, *, reading: str | None = None) -> int:
     """How many instructions of ``opcode`` (``"dot"``, ``"opt-barrier"``, ...) ``hlo`` has.
 
-    Only instruction definitions count, not the same word in metadata or attributes.
+    Only instruction definitions count, not the same word in metadata or attributes. With
+    ``reading=``, only the instructions that read an output of a ``reading`` instruction,
+    directly or through pure data movement (tuple access, copies, bitcasts, transposes,
+    reshapes): ``count_instructions(hlo, "all-gather", reading="opt-barrier")`` counts the
+    gathers of barriered values, in a checkpointed SPMD step the recomputation's re-gathers.
     """
-    return sum(1 for inst in _instructions(hlo) if inst.opcode == opcode)
+    instructions = _instructions(hlo)
+    if reading is None:
+        return sum(1 for inst in instructions if inst.opcode == opcode)
+    by_name = {inst.name: inst for inst in instructions}
+
+    def reads_source(name: str) -> bool:
+        inst = by_name.get(name)
+        while inst is not None:
+            if inst.opcode == reading:
+                return True
+            if inst.opcode not in _DATA_MOVEMENT or not inst.operands:
+                return False
+            inst = by_name.get(inst.operands[0])
+        return False
+
+    return sum(
+        1
+        for inst in instructions
+        if inst.opcode == opcode and any(reads_source(name) for name in inst.operands)
+    )
+
+
+_DATA_MOVEMENT = frozenset({"get-tuple-element", "copy", "bitcast", "transpose", "reshape"})
 
 
 @dataclass(frozen=True)

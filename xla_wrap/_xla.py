@@ -78,6 +78,45 @@ def barrier_(tensors: Sequence[torch.Tensor]) -> None:
         xm.optimization_barrier_(group)
 
 
+def sharding(tensor: torch.Tensor) -> object | None:
+    """The SPMD sharding annotation of an XLA tensor (torch_xla's ``OpSharding``), or None
+    when the tensor has none that Python can see."""
+    torch_xla = _loaded("torch_xla")
+    if torch_xla is None or not is_xla_tensor(tensor):
+        return None
+    if not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+        return None
+    return torch_xla._XLAC._get_xla_op_sharding(tensor)
+
+
+def shard_like(tensor: torch.Tensor, op_sharding: object) -> None:
+    """Annotate the XLA ``tensor`` with ``op_sharding`` (from :func:`sharding`), in place."""
+    torch_xla = _loaded("torch_xla")
+    assert torch_xla is not None
+    torch_xla._XLAC._xla_mark_sharding(tensor, op_sharding)
+
+
+def spmd_active() -> bool:
+    """Whether torch_xla runs this process in SPMD mode (``torch_xla.runtime.use_spmd()``)."""
+    runtime = _loaded("torch_xla.runtime")
+    return runtime is not None and bool(runtime.is_spmd())
+
+
+@functools.cache
+def warn_unsharded_gradient_once() -> None:
+    warnings.warn(
+        "xla_wrap: under SPMD, a checkpoint's output has no sharding annotation that xla_wrap "
+        "can see, so its gradient after the barrier has none either, and XLA may replicate "
+        "the recomputation (gathering activations in full). Annotate the output inside the "
+        "checkpointed block with torch_xla.distributed.spmd.mark_sharding, or, inside "
+        "SpmdFullyShardedDataParallel, build each unit with "
+        "xla_wrap.fsdp.auto_wrapper_callable(fsdp_class=SpmdFullyShardedDataParallel) or nest "
+        "as checkpoint_wrapper(SpmdFullyShardedDataParallel(block)) (docs/fsdp.md).",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def rng_state(device: torch.device) -> int:
     """The running RNG seed of an XLA device (what its next random op will advance from)."""
     xm = _loaded("torch_xla.core.xla_model")

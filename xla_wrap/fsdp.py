@@ -22,6 +22,8 @@ from typing import Any
 from torch import nn
 
 from . import _xla
+from ._function import record_output_sharding
+from ._tree import Flat
 from ._wrapper import checkpoint_wrapper, make_options
 from .wrap import Policy
 
@@ -58,6 +60,15 @@ def auto_wrapper_callable(
 
     def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         unit: nn.Module = fsdp(checkpoint_wrapper(module, **checkpoint_options), *args, **kwargs)
+        # SPMD FSDP shards the unit's output after the checkpoint returned it; the checkpoint's
+        # backward must shard the gradient the same way (see _function.record_output_sharding).
+        unit.register_forward_hook(_record_output_shardings)
         return unit
 
     return build
+
+
+def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
+    for tensor in Flat.of(output).tensors:
+        if tensor.grad_fn is not None:
+            record_output_sharding(tensor)

@@ -92,10 +92,16 @@ class CompiledProgram:
         """FLOPs of the program's dots and convolutions (see :func:`hlo_flops`)."""
         return _hlo.flops(self.optimized_hlo)
 
-    def count(self, opcode: str) -> int:
+    def count(self, opcode: str, *, reading: str | None = None) -> int:
         """How many instructions of ``opcode`` (``"dot"``, ``"convolution"``,
-        ``"opt-barrier"``, ``"all-gather"``) the optimized program contains."""
-        return _hlo.count_instructions(self.optimized_hlo, opcode)
+        ``"opt-barrier"``, ``"all-gather"``) the optimized program contains.
+
+        With ``reading=``, only those that read an output of a ``reading`` instruction
+        (through tuple access and pure data movement): ``count("all-gather",
+        reading="opt-barrier")`` is the number of parameter re-gathers that the recomputation
+        makes from barriered shards, separate from the forward's gathers.
+        """
+        return _hlo.count_instructions(self.optimized_hlo, opcode, reading=reading)
 
 
 def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
