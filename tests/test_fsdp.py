@@ -143,3 +143,19 @@ def test_auto_wrapper_callable_builds_fsdp_around_a_checkpoint_wrapper() -> None
     assert isinstance(unit.inner, xla_wrap.CheckpointWrapper)
     assert unit.inner.checkpoint_module is linear
     assert unit.inner.checkpoint_options.preserve_rng_state is False
+
+
+@pytest.mark.parametrize(
+    "policy", [wrap.by_param_count(1, 511), wrap.by_name("blocks.*")], ids=["size", "name"]
+)
+def test_a_policy_blind_inside_fsdp_is_refused_with_the_order_to_use(
+    reference: dict[str, tuple], policy: wrap.Policy
+) -> None:
+    # FSDP(net) with every block a unit: the parameters are flattened into the units (512
+    # each) and the names prefixed with `_fsdp_wrapped_module._fpw_module.`.
+    sharded = reference["auto"][0]
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"(?s)already wrapped.*before FSDP"):
+        xla_wrap.apply_activation_checkpointing(sharded, policy)
+    assert not any(isinstance(m, xla_wrap.CheckpointWrapper) for m in sharded.modules())
+    with pytest.raises(xla_wrap.CheckpointValueError, match="already contains FSDP units"):
+        fsdp.auto_wrap_policy(wrap.by_type(Block), sharded)

@@ -10,6 +10,7 @@ from torch import nn
 
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._wrapper import CheckpointWrapper, make_options
+from .fsdp import format_units, fsdp_units
 from .wrap import Policy
 
 M = TypeVar("M", bound=nn.Module)
@@ -108,6 +109,18 @@ def _resolved(api: str, policy: Policy, model: nn.Module) -> Callable[[nn.Module
             f"({type(model).__name__}), which cannot be replaced in place. Narrow the policy "
             "to its submodules, or wrap the model yourself: "
             "`model = xla_wrap.checkpoint_wrapper(model)`."
+        )
+    units = [] if selected else fsdp_units(model)
+    if units:
+        raise CheckpointValueError(
+            f"{api}: the policy {policy!r} selects nothing in a model that FSDP has already "
+            f"wrapped (units at {format_units(units)}). FSDP "
+            "flattens parameters and renames submodules, which hides them from rules on size "
+            "and names. Checkpoint first, then shard: call apply_activation_checkpointing on "
+            "the model before FSDP wraps it, or let FSDP build each unit as "
+            "FSDP(checkpoint_wrapper(block)) with `auto_wrap_policy=xla_wrap.fsdp."
+            "auto_wrap_policy(policy, model), auto_wrapper_callable=xla_wrap.fsdp."
+            "auto_wrapper_callable()` (docs/fsdp.md)."
         )
     if not selected:
         warnings.warn(

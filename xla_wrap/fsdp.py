@@ -22,12 +22,13 @@ from typing import Any
 from torch import nn
 
 from . import _xla
+from ._errors import CheckpointValueError
 from ._function import record_output_sharding
 from ._tree import Flat
 from ._wrapper import checkpoint_wrapper, make_options
 from .wrap import Policy
 
-__all__ = ["auto_wrap_policy", "auto_wrapper_callable"]
+__all__ = ["auto_wrap_policy", "auto_wrapper_callable", "fsdp_units"]
 
 
 def auto_wrap_policy(policy: Policy, model: nn.Module) -> Callable[..., bool]:
@@ -38,6 +39,13 @@ def auto_wrap_policy(policy: Policy, model: nn.Module) -> Callable[..., bool]:
     selected modules. The selection is made on ``model`` as it is now, before FSDP wraps
     anything, so pass the model you are about to give FSDP.
     """
+    units = fsdp_units(model)
+    if units:
+        raise CheckpointValueError(
+            "xla_wrap.fsdp.auto_wrap_policy: expected the model before FSDP wraps it, got one "
+            f"that already contains FSDP units (at {format_units(units)}). Build the policy "
+            "from the unwrapped model and hand that model to FSDP with it."
+        )
     chosen = {id(module) for _, module in policy.select(model)}
 
     def callback(module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
@@ -66,6 +74,33 @@ def auto_wrapper_callable(
         return unit
 
     return build
+
+
+# FSDP wrapper classes: torch_xla's FSDP and FSDPv2, PyTorch's FSDP1 and FSDP2 (whose
+# fully_shard makes each module an FSDPModule), FairScale's FSDP.
+_FSDP_CLASS_NAMES = frozenset(
+    {
+        "XlaFullyShardedDataParallel",
+        "SpmdFullyShardedDataParallel",
+        "FullyShardedDataParallel",
+        "FSDPModule",
+    }
+)
+
+
+def fsdp_units(model: nn.Module) -> list[str]:
+    """Qualified names of the FSDP units in ``model`` ("" for the model itself)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if any(cls.__name__ in _FSDP_CLASS_NAMES for cls in type(module).__mro__)
+    ]
+
+
+def format_units(units: list[str]) -> str:
+    """The first few unit names for a message."""
+    shown = ", ".join(repr(name or "<root>") for name in units[:3])
+    return shown + (f" and {len(units) - 3} more" if len(units) > 3 else "")
 
 
 def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
