@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
-from ._wrapper import CheckpointWrapper, make_options
+from ._wrapper import CheckpointWrapper, make_options, refuse_eager_fsdp_unit
 from .fsdp import format_units, fsdp_units
 from .wrap import Policy
 
@@ -93,6 +93,7 @@ def apply_activation_checkpointing(
                 continue
             visit(child)
             if check_fn(child):
+                refuse_eager_fsdp_unit(api, child)
                 wrapper = CheckpointWrapper(child, options)
                 replacement[id(child)] = parent._modules[name] = wrapper
 

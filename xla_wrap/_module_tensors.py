@@ -64,13 +64,18 @@ class ModuleTensors:
         """Let the modules read ``params``/``buffers`` in place of their own inside the block."""
         saved: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
         try:
-            for slots_list, replacements in (
-                (self.param_slots, params),
-                (self.buffer_slots, buffers),
-            ):
-                for slots, name, index in slots_list:
-                    saved.append((slots, name, slots[name]))
-                    slots[name] = replacements[index]
+            for slots, name, index in self.param_slots:
+                # A parameter slot that no longer holds the forward's tensor was changed between
+                # forward and backward by its owner (FSDP1 with use_orig_params=True takes the
+                # parameters out and the block reads FSDP's views): leave it as it is.
+                if slots.get(name) is not self.params[index]:
+                    continue
+                saved.append((slots, name, slots[name]))
+                slots[name] = params[index]
+            for slots, name, index in self.buffer_slots:
+                # Buffers always read the forward's values, even if the forward replaced them.
+                saved.append((slots, name, slots[name]))
+                slots[name] = buffers[index]
             yield
         finally:
             for slots, name, original in reversed(saved):

@@ -9,6 +9,7 @@ and optimizers, ``.to()``, ``deepcopy`` and pickling act on the same tensors.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,11 +97,13 @@ class CheckpointWrapper(nn.Module):
         # wrapper. Everything else goes to the wrapped module, which registers parameters,
         # buffers and submodules in the dicts both share, and keeps plain attributes where its
         # forward reads them.
+        # `__class__` stays too: FSDP2's fully_shard swaps the class of the module it shards.
         module = self.__dict__.get("_checkpoint_module")
-        if module is None or name in self.__dict__:
+        if module is None or name == "__class__" or name in self.__dict__:
             super().__setattr__(name, value)
-        if module is not None and (name == "training" or name not in self.__dict__):
-            setattr(module, name, value)
+            if module is None or name != "training":
+                return
+        setattr(module, name, value)
 
     def __delattr__(self, name: str) -> None:
         delattr(self.checkpoint_module, name)
@@ -198,6 +201,7 @@ def checkpoint_wrapper(
         preserve_rng_state=preserve_rng_state,
         offload_to_cpu=offload_to_cpu,
     )
+    refuse_eager_fsdp_unit("xla_wrap.checkpoint_wrapper", module)
     if isinstance(module, CheckpointWrapper):
         if module.checkpoint_options == options:
             return module
@@ -207,3 +211,31 @@ def checkpoint_wrapper(
             "inner module: `checkpoint_wrapper(wrapper.checkpoint_module, ...)`."
         )
     return CheckpointWrapper(module, options)
+
+
+def refuse_eager_fsdp_unit(api: str, module: nn.Module) -> None:
+    """Refuse to checkpoint around a unit of PyTorch's eager FSDP (FSDP1 or FSDP2).
+
+    The wrapper shares the unit's containers instead of registering it as a child, which hides
+    the unit from the FSDP root: FSDP2 then fails, and FSDP1 would keep the unit unsharded from
+    forward to backward. torch_xla's FSDP is not affected (docs/fsdp.md).
+    """
+    eager_fsdp = sys.modules.get("torch.distributed.fsdp")
+    if eager_fsdp is None:
+        return
+    classes = tuple(
+        cls
+        for cls in (
+            getattr(eager_fsdp, "FullyShardedDataParallel", None),
+            getattr(eager_fsdp, "FSDPModule", None),
+        )
+        if isinstance(cls, type)
+    )
+    if classes and isinstance(module, classes):
+        raise CheckpointTypeError(
+            f"{api}: expected a module that FSDP has not wrapped, got "
+            f"{type(module).__name__}, which is a unit of PyTorch's FSDP. Checkpoint inside "
+            "each unit instead: checkpoint the blocks before `fully_shard` or "
+            "`FullyShardedDataParallel` wraps them, or apply_activation_checkpointing to the "
+            "FSDP1-wrapped model with a policy that selects the blocks (docs/fsdp.md)."
+        )

@@ -25,7 +25,7 @@ from . import _xla
 from ._errors import CheckpointValueError
 from ._function import record_output_sharding
 from ._tree import Flat
-from ._wrapper import checkpoint_wrapper, make_options
+from ._wrapper import CheckpointWrapper, checkpoint_wrapper, make_options
 from .wrap import Policy
 
 __all__ = ["auto_wrap_policy", "auto_wrapper_callable", "fsdp_units"]
@@ -46,10 +46,11 @@ def auto_wrap_policy(policy: Policy, model: nn.Module) -> Callable[..., bool]:
             f"that already contains FSDP units (at {format_units(units)}). Build the policy "
             "from the unwrapped model and hand that model to FSDP with it."
         )
-    chosen = {id(module) for _, module in policy.select(model)}
+    chosen = {id(_unwrapped(module)) for _, module in policy.select(model)}
 
     def callback(module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
-        return True if recurse else id(module) in chosen
+        # A block checkpointed after the policy was made still counts as selected.
+        return True if recurse else id(_unwrapped(module)) in chosen
 
     return callback
 
@@ -86,6 +87,10 @@ _FSDP_CLASS_NAMES = frozenset(
         "FSDPModule",
     }
 )
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    return module.checkpoint_module if isinstance(module, CheckpointWrapper) else module
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
