@@ -10,8 +10,10 @@ FSDP's ``auto_wrap_policy`` decides which submodules become sharded units, and i
     >>> model = FSDP(model, auto_wrap_policy=fsdp.auto_wrap_policy(policy, model),
     ...              auto_wrapper_callable=fsdp.auto_wrapper_callable())         # doctest: +SKIP
 
-Both nesting orders give FSDP's own loss and gradients (tested with torch_xla's FSDP in one
-process); docs/fsdp.md says which to choose and what is still to be measured.
+With SPMD FSDPv2 pass ``fsdp_class=SpmdFullyShardedDataParallel``: the units it builds also
+hand FSDPv2's output sharding to the checkpoint, so the recomputation stays sharded. Tested
+with torch_xla's FSDP and FSDPv2 and with PyTorch's FSDP1 and FSDP2; docs/fsdp.md says which
+nesting order to choose.
 """
 
 from __future__ import annotations
