@@ -8,8 +8,9 @@ all-gathers are read from XLA's own buffer assignment and optimized HLO.
 
 Each composition builds the same 4-block model from the same seed, runs one training step with
 the same Dropout seed, and records: the loss, the gradients by parameter name, which calls of
-each block were recomputations, and the step's compiled peak, all-gathers, and all-gathers of
-barriered shards (the recomputation's re-gathers).
+each block were recomputations, the step's compiled peak, all-gathers, and all-gathers of
+barriered shards (the recomputation's re-gathers), and whether running the step again compiled
+anything.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch import nn
@@ -120,9 +122,16 @@ def run(build: Callable[[Net], nn.Module], mesh: Any) -> dict[str, Any]:
 
     with warnings.catch_warnings(record=True) as caught:
         program = introspect.compiled_memory(step)
+    grads = {n: p.grad.cpu().tolist() for n, p in model.named_parameters()}
+    first_calls = [list(c) for c in calls]
+    compiles = met.metric_data("CompileTime")[0]
+    for p in model.parameters():
+        p.grad = None
+    step()  # the same step again must reuse the compiled program
     result.update(
-        grads={n: p.grad.cpu().tolist() for n, p in model.named_parameters()},
-        calls=calls,
+        recompiles=met.metric_data("CompileTime")[0] - compiles,
+        grads=grads,
+        calls=first_calls,
         peak_bytes=program.total_bytes,
         flops=program.flops,
         all_gathers=program.count("all-gather"),

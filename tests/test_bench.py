@@ -108,3 +108,17 @@ def test_cli_smoke_run_writes_json_and_reports_crashes(tmp_path: Path) -> None:
     assert 1.0 < ours["flops_ratio"] <= 4 / 3
     assert runs["none"]["floor_bytes"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_the_sharded_model_takes_a_divisible_batch_and_the_tools_that_run_on_xla() -> None:
+    from xla_wrap.bench._cli import _sizes, _variants_for
+
+    with pytest.raises(SystemExit, match=r"multiple of 4"):
+        _sizes(parse_args(["--size", "transformer-fsdpv2.batch=6"]), ["transformer-fsdpv2"])
+    every = ["none", "torch.utils.checkpoint", "torch_xla.utils.checkpoint", "xla_wrap"]
+    assert _variants_for("transformer", every) == every
+    assert _variants_for("transformer-fsdpv2", every) == [
+        "none",
+        "torch_xla.utils.checkpoint",
+        "xla_wrap",
+    ]

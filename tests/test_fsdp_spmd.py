@@ -66,6 +66,13 @@ def test_spmd_fsdp_recomputes_every_block_exactly_once(results: dict[str, Any], 
     assert _ok(results, name)["calls"] == [[False, True]] * DEPTH
 
 
+@pytest.mark.parametrize("name", ["plain", *CHECKPOINTED])
+def test_spmd_step_compiles_once(results: dict[str, Any], name: str) -> None:
+    # The barrier copies program inputs (the data) instead of rewriting them in place, which
+    # would change their sharding and recompile the next step.
+    assert _ok(results, name)["recompiles"] == 0
+
+
 @pytest.mark.parametrize("name", SHARDED)
 def test_spmd_recomputation_regathers_its_parameters_after_the_barrier(
     results: dict[str, Any], name: str

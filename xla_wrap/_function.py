@@ -112,11 +112,15 @@ class CheckpointFunction(torch.autograd.Function):
         present = [i for i, g in enumerate(grads) if g is not None]
         incoming = [g for g in grads if g is not None]
         n_in, n_grad, n_param = len(inputs), len(present), len(params)
-        # Saved inputs and incoming gradients are rewritten in place (their other readers then
-        # need no pre-barrier copy); parameters and buffers are copied (module state stays).
+        # Saved activations and incoming gradients are rewritten in place (their other readers
+        # then need no pre-barrier copy). Parameters, buffers and inputs that are program
+        # inputs (data, masks) are copied: rewriting those would make them outputs of the step
+        # and, under SPMD, change their sharding for the next step (a recompilation).
         copies = barriered(
             [*inputs, *incoming, *params, *buffers],
-            in_place=[True] * (n_in + n_grad) + [False] * (n_param + len(buffers)),
+            in_place=[not _xla.is_device_data(t) for t in inputs]
+            + [True] * n_grad
+            + [False] * (n_param + len(buffers)),
         )
         input_copies = copies[:n_in]
         grad_copies = copies[n_in : n_in + n_grad]

@@ -58,6 +58,19 @@ def tensor_id(tensor: torch.Tensor) -> int:
     return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
 
 
+def is_device_data(tensor: torch.Tensor) -> bool:
+    """Whether an XLA tensor is materialized data (a program input) rather than a value still
+    to be computed. Read from torch_xla's description of the tensor: no cheaper public query
+    exists."""
+    torch_xla = _loaded("torch_xla")
+    if torch_xla is None or not is_xla_tensor(tensor):
+        return False
+    info: str = torch_xla._XLAC._get_xla_tensor_debug_info(tensor)
+    ir_line = next((line for line in info.splitlines() if line.startswith("IR:")), "")
+    # Data already on the device has no IR, or an IR that only points at its data.
+    return ir_line.strip() == "IR: None" or "xla::device_data" in ir_line
+
+
 def barrier_(tensors: Sequence[torch.Tensor]) -> None:
     """Put the XLA tensors of ``tensors`` through one optimization barrier per device, in place.
 

@@ -13,17 +13,25 @@ from pathlib import Path
 from typing import Any
 
 from .._xla import KEEP_BARRIERS_FLAG
+from ._models import MODELS, SHARDED_DEVICES
 from ._report import compare, render_chart, render_table
 from ._variants import VARIANTS
 
+_TRANSFORMER = {"blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8, "dropout_pct": 10}
+_QUICK_TRANSFORMER = {"blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 4, "dropout_pct": 10}
 DEFAULT_SIZES = {
     "conv": {"blocks": 16, "channels": 256, "size": 14, "batch": 16},
-    "transformer": {"blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8, "dropout_pct": 10},
+    "transformer": _TRANSFORMER,
+    "transformer-fsdpv2": _TRANSFORMER,
 }
 QUICK_SIZES = {
     "conv": {"blocks": 3, "channels": 8, "size": 4, "batch": 2},
-    "transformer": {"blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 2, "dropout_pct": 10},
+    "transformer": _QUICK_TRANSFORMER,
+    "transformer-fsdpv2": _QUICK_TRANSFORMER,
 }
+# Under FSDP only the tools that run on XLA with the right gradients are worth compiling: the
+# others crash or give wrong gradients already without sharding (see the other models).
+SHARDED_VARIANTS = ("none", "torch_xla.utils.checkpoint", "xla_wrap")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,7 +42,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "fast is a step. Every (model, variant) runs in a fresh process. All but the first "
         "block are checkpointed.",
     )
-    parser.add_argument("--models", default="conv,transformer", help="comma-separated")
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma-separated; transformer-fsdpv2 is the transformer under SPMD FSDPv2 on "
+        f"{SHARDED_DEVICES} virtual CPU devices (figures per device)",
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     parser.add_argument(
         "--steps",
@@ -78,6 +91,13 @@ def _sizes(args: argparse.Namespace, models: list[str]) -> dict[str, dict[str, i
                 f"KEY among {sorted(sizes.get(model, {}))}; got {item!r}"
             )
         sizes[model][name] = int(value)
+    for model, sized in sizes.items():
+        if model.endswith("fsdpv2") and sized["batch"] % SHARDED_DEVICES:
+            raise SystemExit(
+                f"xla_wrap.bench: {model} splits the batch over {SHARDED_DEVICES} devices; got "
+                f"batch {sized['batch']}. Pass --size {model}.batch=N with N a multiple of "
+                f"{SHARDED_DEVICES}."
+            )
     return sizes
 
 
@@ -104,14 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     print("each variant compiles in a fresh process; step times come from one process per model")
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    tasks = iter(range(1, len(models) * (len(variants) + 1) + 1))
-    total = len(models) * (len(variants) + 1)
+    variants_of = {m: _variants_for(m, variants) for m in models}
+    total = sum(len(v) + 1 for v in variants_of.values())
+    tasks = iter(range(1, total + 1))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="xla_wrap_bench_") as tmp_name:
         tmp = Path(tmp_name)
         for model in models:
             model_runs: list[dict[str, Any]] = []
-            for variant in variants:
+            for variant in variants_of[model]:
                 grads = tmp / f"grads-{model}-{len(model_runs)}.pt"
                 job = {"task": "measure", "model": model, "variant": variant}
                 job.update(sizes=sizes[model], grads=str(grads))
@@ -161,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _variants_for(model: str, variants: list[str]) -> list[str]:
+    if not model.endswith("fsdpv2"):
+        return variants
+    return [v for v in variants if v in SHARDED_VARIANTS]
+
+
 def _spawn(job: dict[str, Any], flags: str, tmp: Path, timeout: float) -> dict[str, Any]:
     """Run ``job`` in a fresh Python (XLA reads its flags at start-up) and return its result,
     or an error saying how the process ended."""
@@ -169,6 +196,8 @@ def _spawn(job: dict[str, Any], flags: str, tmp: Path, timeout: float) -> dict[s
     result_path = Path(name)
     job = dict(job, result=str(result_path))
     env = dict(os.environ, PJRT_DEVICE="CPU")
+    if str(job.get("model", "")).endswith("fsdpv2"):
+        env["CPU_NUM_DEVICES"] = str(SHARDED_DEVICES)
     dump = tmp / ("dump-" + result_path.stem)
     # The user's own XLA flags stay; ours come last so that they win.
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), flags, f"--xla_dump_to={dump}"]).strip()

@@ -1,6 +1,7 @@
-"""The benchmark's models: the first seed report's conv stack and a transformer-style stack.
+"""The benchmark's models: the first seed report's conv stack and a transformer-style stack,
+the latter also sharded with SPMD FSDPv2 over a virtual CPU mesh ("transformer-fsdpv2").
 
-Both expose ``blocks`` (an ``nn.ModuleList``) so that every variant checkpoints the same
+All expose ``blocks`` (an ``nn.ModuleList``) so that every variant checkpoints the same
 blocks, and a ``forward`` that calls each block the same way, keyword arguments included.
 """
 
@@ -89,6 +90,7 @@ class Workload:
     model: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    devices: int = 1  # more than one: SPMD FSDPv2 over that many virtual CPU devices
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -98,8 +100,12 @@ class Workload:
         return blocks
 
 
+MODELS = ("conv", "transformer", "transformer-fsdpv2")
+SHARDED_DEVICES = 4
+
+
 def build(name: str, sizes: dict[str, int]) -> Workload:
-    """Build model ``name`` ("conv" or "transformer") with ``sizes`` on the CPU, seeded."""
+    """Build model ``name`` (one of :data:`MODELS`) with ``sizes`` on the CPU, seeded."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     if name == "conv":
@@ -107,10 +113,11 @@ def build(name: str, sizes: dict[str, int]) -> Workload:
         model: nn.Module = ConvStack(sizes["blocks"], c)
         x = torch.randn(sizes["batch"], c, hw, hw, generator=generator)
         return Workload(model, (x,), {})
-    if name == "transformer":
+    if name in ("transformer", "transformer-fsdpv2"):
         d, s = sizes["dim"], sizes["seq"]
         model = TransformerStack(sizes["blocks"], d, sizes["heads"], sizes["dropout_pct"] / 100)
         x = torch.randn(sizes["batch"], s, d, generator=generator)
         causal = torch.full((s, s), float("-inf")).triu(1)
-        return Workload(model, (x,), {"mask": causal})
-    raise ValueError(f"xla_wrap.bench: unknown model {name!r}; choose conv or transformer")
+        devices = SHARDED_DEVICES if name.endswith("fsdpv2") else 1
+        return Workload(model, (x,), {"mask": causal}, devices)
+    raise ValueError(f"xla_wrap.bench: unknown model {name!r}; choose among {MODELS}")

@@ -35,8 +35,9 @@ def compare(runs: list[dict[str, Any]]) -> None:
         if reference is None:  # the reference itself crashed: no ratios, no gradient check
             continue
         run["peak_ratio"] = run["peak_bytes"] / reference["peak_bytes"]
-        run["floor_mib"] = reference["floor_bytes"] / 2**20
-        run["floor_ratio"] = run["peak_bytes"] / reference["floor_bytes"]
+        if "floor_bytes" in reference:  # estimated for single-device models only
+            run["floor_mib"] = reference["floor_bytes"] / 2**20
+            run["floor_ratio"] = run["peak_bytes"] / reference["floor_bytes"]
         run["flops_ratio"] = run["flops"] / reference["flops"] if reference["flops"] else None
         if "step_ms" in run and "step_ms" in reference:
             run["time_ratio"] = run["step_ms"] / reference["step_ms"]

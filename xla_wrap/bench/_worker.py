@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._floor import estimated_floor
-from ._models import build
+from ._models import Workload, build
 from ._variants import VARIANTS
 
 SEED = 1234
@@ -52,13 +53,15 @@ def time_variants(model_name: str, variants: list[str], sizes: dict[str, int], s
     times: dict[str, list[float]] = {v: [] for v in steps_by_variant}
 
     def timed(variant: str) -> float:
-        before = _execute_count(met)
+        before = _execute_counts(met)
         steps_by_variant[variant]()
         xm.wait_device_ops()
-        executions = _execute_count(met) - before
+        after = _execute_counts(met)
+        executions = sum(after.values()) - sum(before.values())
         if executions != 1:
             raise RuntimeError(f"one step ran {executions} XLA executions, expected 1")
-        return float(met.metric_data("ExecuteTime")[2][-1][1]) / 1e6
+        name = next(n for n in _EXECUTE_METRICS if after[n] > before[n])
+        return float(met.metric_data(name)[2][-1][1]) / 1e6
 
     order = list(steps_by_variant)
     for round_index in range(WARM_UP_STEPS + steps):
@@ -79,9 +82,17 @@ def time_variants(model_name: str, variants: list[str], sizes: dict[str, int], s
     }
 
 
-def _execute_count(met: Any) -> int:
-    data = met.metric_data("ExecuteTime")
-    return int(data[0]) if data else 0
+# One execution per step adds a sample to one of these; under SPMD, torch_xla times the
+# replicated execution under its own name.
+_EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime")
+
+
+def _execute_counts(met: Any) -> dict[str, int]:
+    counts = {}
+    for name in _EXECUTE_METRICS:
+        data = met.metric_data(name)
+        counts[name] = int(data[0]) if data else 0
+    return counts
 
 
 def _error(error: Exception) -> dict:
@@ -95,16 +106,19 @@ def _prepare(model_name: str, variant: str, sizes: dict[str, int]) -> Callable[[
     import torch_xla
 
     workload = build(model_name, sizes)
-    device = torch_xla.device()
-    model = workload.model.to(device)
-    args = tuple(a.to(device) for a in workload.args)
-    kwargs = {k: v.to(device) for k, v in workload.kwargs.items()}
-    torch_xla.sync()
     wrap = VARIANTS[variant]
-    if wrap is not None:
-        blocks = workload.blocks  # moved to the device with the model
-        for index in range(1, len(blocks)):
-            blocks[index] = wrap(blocks[index])
+    if workload.devices > 1:
+        model, args, kwargs = _sharded(workload, wrap)
+    else:
+        device = torch_xla.device()
+        model = workload.model.to(device)
+        args = tuple(a.to(device) for a in workload.args)
+        kwargs = {k: v.to(device) for k, v in workload.kwargs.items()}
+        if wrap is not None:
+            blocks = workload.blocks  # moved to the device with the model
+            for index in range(1, len(blocks)):
+                blocks[index] = wrap(blocks[index])
+    torch_xla.sync()
 
     def step() -> torch.Tensor:
         for p in model.parameters():
@@ -118,6 +132,37 @@ def _prepare(model_name: str, variant: str, sizes: dict[str, int]) -> Callable[[
     return step
 
 
+def _sharded(
+    workload: Workload, wrap: Callable[[nn.Module], nn.Module] | None
+) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """The workload under SPMD FSDPv2: every block a unit, the root a unit, the batch split
+    over a 1-D "fsdp" mesh of ``workload.devices`` devices. A variant checkpoints the units of
+    all blocks but the first from outside (``checkpoint(FSDPv2(block))``), the order in which
+    FSDPv2 shards each output inside the checkpoint, for every tool alike."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+        SpmdFullyShardedDataParallel as FSDPv2,
+    )
+
+    if not xr.is_spmd():
+        xr.use_spmd()  # before the process's first XLA tensor
+    mesh = xs.Mesh(np.arange(workload.devices), (workload.devices, 1), ("fsdp", "model"))
+    blocks = workload.blocks
+    for index in range(len(blocks)):
+        unit = FSDPv2(blocks[index], mesh=mesh)
+        blocks[index] = wrap(unit) if wrap is not None and index >= 1 else unit
+    # The root returns the scalar loss: nothing to shard.
+    model = FSDPv2(workload.model, mesh=mesh, shard_output=lambda output, mesh: None)
+    device = torch_xla.device()
+    args = tuple(a.to(device) for a in workload.args)
+    xs.mark_sharding(args[0], mesh, ("fsdp",) + (None,) * (args[0].dim() - 1))
+    kwargs = {k: v.to(device) for k, v in workload.kwargs.items()}
+    return model, args, kwargs
+
+
 def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -126,8 +171,8 @@ def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) 
     from xla_wrap import introspect
 
     result: dict[str, Any] = {}
-    if variant == "none":
-        workload = build(model_name, sizes)
+    workload = build(model_name, sizes)
+    if variant == "none" and workload.devices == 1:  # the floor is for one device
         result["floor_bytes"] = estimated_floor(workload, range(1, len(workload.blocks)))
     step = _prepare(model_name, variant, sizes)
     xm.set_rng_state(SEED, str(torch_xla.device()))
