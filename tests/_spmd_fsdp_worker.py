@@ -141,6 +141,37 @@ def run(build: Callable[[Net], nn.Module], mesh: Any) -> dict[str, Any]:
     return result
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+def data_inputs(mesh: Any) -> dict[str, Any]:
+    """A checkpoint whose inputs are program inputs (data, a mask-like constant): two steps."""
+    from xla_wrap import _xla
+
+    device = torch_xla.device()
+    block = Scaled().to(device)
+    x = torch.randn(BATCH, WIDTH).to(device)
+    xs.mark_sharding(x, mesh, ("fsdp", None))
+    scale = torch.full((WIDTH,), 0.5).to(device)
+    torch_xla.sync()
+    counts = []
+    for _ in range(2):
+        block.zero_grad(set_to_none=True)
+        xla_wrap.checkpoint(block, x, scale=scale).sum().backward()
+        torch_xla.sync()
+        counts.append(met.metric_data("CompileTime")[0])
+    return {
+        "recompiles": counts[1] - counts[0],
+        "still data": _xla.is_device_data(x) and _xla.is_device_data(scale),
+    }
+
+
 def expected_bytes() -> dict[str, int]:
     """Per-device bytes the analysis predicts, from what autograd saves for one block."""
     rows = BATCH // DEVICES
@@ -167,6 +198,9 @@ def main(out: str) -> None:
             results[name] = {"error": traceback.format_exc()}
         with open(out, "w") as f:
             json.dump(results, f)
+    results["data inputs"] = data_inputs(mesh)
+    with open(out, "w") as f:
+        json.dump(results, f)
 
 
 if __name__ == "__main__":

@@ -558,3 +558,16 @@ def test_returning_a_buffer_leaves_the_buffer_out_of_autograd() -> None:
     (y.sum() + table.sum()).backward()
     assert torch.equal(table, torch.arange(4.0))
     assert wrapped.table.grad_fn is None and not wrapped.table.requires_grad
+
+
+def test_tensors_bound_in_a_partial_are_inputs_of_the_checkpoint() -> None:
+    # transformers binds a layer's masks and position embeddings with functools.partial; they
+    # must be saved and checked like any input, not read through a closure in backward.
+    def scaled(x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        mask.mul_(2.0)
+        return x * mask
+
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    mask = torch.ones(BATCH, WIDTH)
+    with pytest.raises(xla_wrap.CheckpointError, match=r"modified its input tensor 1 \("):
+        xla_wrap.checkpoint(functools.partial(scaled, mask=mask), x)

@@ -49,13 +49,26 @@ def run_checkpointed(
 
 def owning_modules(function: Callable[..., Any]) -> list[nn.Module]:
     """The module whose parameters ``function`` reads: the module itself, the owner of a bound
-    method, or either of those inside ``functools.partial`` (as transformers passes layers)."""
+    method, or either of those inside ``functools.partial``."""
     while isinstance(function, functools.partial):
         function = function.func
     if isinstance(function, nn.Module):
         return [function]
     owner = getattr(function, "__self__", None)
     return [owner] if isinstance(owner, nn.Module) else []
+
+
+def _unpartial(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """``partial(f, *a, **k)(*args, **kwargs)`` as ``f(*a, *args, **k, **kwargs)``, so that the
+    tensors bound in a partial (transformers binds a layer's masks and position embeddings
+    this way) are inputs of the checkpoint, and the module behind it is found."""
+    while isinstance(function, functools.partial):
+        args = (*function.args, *args)
+        kwargs = {**function.keywords, **kwargs}
+        function = function.func
+    return function, args, kwargs
 
 
 def _check_reentrant(api: str, use_reentrant: bool | None) -> None:
@@ -115,6 +128,7 @@ def checkpoint(
             "`checkpoint(block, x, mask=m)`."
         )
     _check_reentrant("xla_wrap.checkpoint", use_reentrant)
+    function, args, kwargs = _unpartial(function, args, kwargs)
     return run_checkpointed(
         "xla_wrap.checkpoint",
         function,

@@ -112,13 +112,14 @@ class CheckpointFunction(torch.autograd.Function):
         present = [i for i, g in enumerate(grads) if g is not None]
         incoming = [g for g in grads if g is not None]
         n_in, n_grad, n_param = len(inputs), len(present), len(params)
-        # Saved activations and incoming gradients are rewritten in place (their other readers
-        # then need no pre-barrier copy). Parameters, buffers and inputs that are program
-        # inputs (data, masks) are copied: rewriting those would make them outputs of the step
-        # and, under SPMD, change their sharding for the next step (a recompilation).
+        # Saved inputs and incoming gradients are rewritten in place (their other readers then
+        # need no pre-barrier copy); parameters and buffers are copied (module state stays).
+        # Under SPMD, inputs that are program inputs (data, masks) are copied too: rewritten,
+        # they would come out of the step with another sharding and recompile the next one.
+        spmd = _xla.spmd_active()
         copies = barriered(
             [*inputs, *incoming, *params, *buffers],
-            in_place=[not _xla.is_device_data(t) for t in inputs]
+            in_place=[not (spmd and _xla.is_device_data(t)) for t in inputs]
             + [True] * n_grad
             + [False] * (n_param + len(buffers)),
         )
