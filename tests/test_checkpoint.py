@@ -185,6 +185,10 @@ def test_block_whose_inputs_need_no_grad_still_trains_its_parameters() -> None:
         pytest.param(lambda block: block, id="module"),
         pytest.param(lambda block: block.forward, id="bound-method"),
         pytest.param(lambda block: functools.partial(block.__call__), id="partial"),
+        # transformers 5 checkpoints `partial(Layer.forward, layer, **kwargs)`.
+        pytest.param(
+            lambda block: functools.partial(type(block).forward, block), id="unbound-method"
+        ),
     ],
 )
 def test_checkpoint_finds_parameters_of_module_method_and_partial(make_function: Any) -> None:

@@ -47,15 +47,29 @@ def run_checkpointed(
     return call.outputs.rebuild(outputs)
 
 
-def owning_modules(function: Callable[..., Any]) -> list[nn.Module]:
+def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[nn.Module]:
     """The module whose parameters ``function`` reads: the module itself, the owner of a bound
-    method, or either of those inside ``functools.partial``."""
+    method, either of those inside ``functools.partial``, or the module an unbound method is
+    called on (``Layer.forward(layer, x)``, as transformers 5 checkpoints its layers)."""
     while isinstance(function, functools.partial):
+        args = (*function.args, *args)
         function = function.func
     if isinstance(function, nn.Module):
         return [function]
     owner = getattr(function, "__self__", None)
-    return [owner] if isinstance(owner, nn.Module) else []
+    if isinstance(owner, nn.Module):
+        return [owner]
+    if args and isinstance(args[0], nn.Module) and _is_method_of(function, args[0]):
+        return [args[0]]
+    return []
+
+
+def _is_method_of(function: Callable[..., Any], module: nn.Module) -> bool:
+    """Whether ``function`` is defined as a method of ``module``'s class (or a base class), as
+    far as its qualified name tells (``GPT2Block.forward``, or a wrapper that keeps it)."""
+    qualname = getattr(function, "__qualname__", "")
+    owner_name, _, _ = qualname.rpartition(".")
+    return any(cls.__qualname__ == owner_name for cls in type(module).__mro__)
 
 
 def _unpartial(
@@ -134,7 +148,7 @@ def checkpoint(
         function,
         args,
         kwargs,
-        owners=owning_modules(function),
+        owners=owning_modules(function, args),
         preserve_rng_state=preserve_rng_state,
     )
 

@@ -1,0 +1,186 @@
+"""xla_wrap.integrations.transformers on tiny Hugging Face models built from configs (no
+downloads): LlamaForCausalLM and GPT2LMHeadModel, both with Dropout."""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import xla_wrap
+
+transformers = pytest.importorskip("transformers")
+xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
+
+VOCAB, SEQ, BATCH = 64, 16, 2
+
+
+def llama(layers: int = 2, width: int = 32) -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2(layers: int = 2, width: int = 32) -> nn.Module:
+    # Dropout 0.1 on embeddings, attention and residuals (GPT-2's defaults).
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=width,
+        n_layer=layers,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+MODELS = [pytest.param(llama, id="llama"), pytest.param(gpt2, id="gpt2")]
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    inner = model.model.layers if hasattr(model, "model") else model.transformer.h
+    return list(inner)
+
+
+def _record_calls(model: nn.Module) -> list[list[bool]]:
+    """Per layer, whether each call of its MLP was a recomputation. transformers checkpoints a
+    layer's ``forward``, inside its hooks, so the MLP inside it is what runs again."""
+    calls: list[list[bool]] = []
+    for layer in _layers(model):
+        record: list[bool] = []
+        calls.append(record)
+        layer.mlp.register_forward_hook(lambda *_, r=record: r.append(xla_wrap.is_recomputing()))
+    return calls
+
+
+def _step(model: nn.Module, ids: torch.Tensor, seed: int = 5) -> tuple[torch.Tensor, list]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _ids(device: torch.device | str = "cpu") -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    return ids.to(device)
+
+
+@pytest.mark.parametrize("make", MODELS)
+def test_transformers_layers_checkpointed_bitwise_on_eager_cpu(
+    make: Callable[[], nn.Module],
+) -> None:
+    torch.manual_seed(0)
+    plain = make().train()
+    # A key/value cache filled while training concatenates keys, which moves the attention's
+    # last bits; checkpointing turns it off, so the reference runs without it too.
+    plain.config.use_cache = False
+    twin = copy.deepcopy(plain)
+    xla_hf.gradient_checkpointing_enable(twin)
+    calls = _record_calls(twin)
+    ids = _ids()
+    plain_loss, plain_grads = _step(plain, ids)
+    loss, grads = _step(twin, ids)
+    assert torch.equal(loss, plain_loss)
+    assert len(grads) == len(plain_grads) and all(g is not None for g in grads)
+    for got, expected in zip(grads, plain_grads, strict=True):
+        assert torch.equal(got, expected)
+    assert calls == [[False, True]] * len(calls)  # every layer recomputed once in backward
+
+
+def test_every_n_layers_and_disable() -> None:
+    torch.manual_seed(0)
+    model = gpt2(layers=4).train()
+    assert model.config.use_cache is True
+    xla_hf.gradient_checkpointing_enable(model, every_n_layers=2, preserve_rng_state=True)
+    assert model.config.use_cache is False
+    calls = _record_calls(model)
+    _step(model, _ids())
+    assert calls == [[False, True], [False], [False, True], [False]]
+    xla_hf.gradient_checkpointing_disable(model)
+    assert model.config.use_cache is True
+    for record in calls:
+        record.clear()
+    _step(model, _ids())
+    assert calls == [[False]] * 4
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("make", MODELS)
+def test_transformers_on_xla_same_training_and_lower_peak(
+    make: Callable[..., nn.Module], xla_device: torch.device
+) -> None:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from xla_wrap import introspect
+
+    torch.manual_seed(0)
+    plain = make(layers=4, width=64).train()
+    plain.config.use_cache = False
+    twin = copy.deepcopy(plain)
+    xla_hf.gradient_checkpointing_enable(twin)
+    results = []
+    for model in (plain, twin):
+        model.to(xla_device)
+        ids = _ids(xla_device)
+        torch_xla.sync()
+        out: dict[str, Any] = {}
+
+        def step(model: nn.Module = model, ids: torch.Tensor = ids, out: dict = out) -> None:
+            xm.set_rng_state(11, str(xla_device))
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            torch_xla.sync()
+            out["loss"] = loss.item()
+
+        program = introspect.compiled_memory(step)
+        grads = [p.grad.cpu() for p in model.parameters()]
+        results.append((out["loss"], grads, program.total_bytes))
+        barriers = re.findall(r"= \((.*?)\) opt-barrier\(", program.optimized_hlo)
+    # transformers hands over `partial(Layer.forward, layer, ...)`: the layer is found from it,
+    # and its weights go through the barrier with the saved inputs.
+    weight = "f32[{},{}]".format(*next(_layers(twin)[0].mlp.parameters()).shape)
+    assert any(weight in operands for operands in barriers), (weight, barriers[:1])
+    (plain_loss, plain_grads, plain_peak), (loss, grads, peak) = results
+    assert loss == pytest.approx(plain_loss, rel=1e-5)
+    for got, expected in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert peak < plain_peak
+
+
+class _NoCheckpointing(transformers.GPT2LMHeadModel):  # type: ignore[misc,name-defined]
+    supports_gradient_checkpointing = False
+
+
+def test_bad_models_and_options_are_refused_with_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = "xla_wrap.integrations.transformers.gradient_checkpointing_enable"
+    with pytest.raises(xla_wrap.CheckpointTypeError, match=rf"^{api}: expected a transformers"):
+        xla_hf.gradient_checkpointing_enable(nn.Linear(2, 2))
+    unsupported = _NoCheckpointing(gpt2().config)
+    with pytest.raises(xla_wrap.CheckpointValueError, match="supports_gradient_checkpointing"):
+        xla_hf.gradient_checkpointing_enable(unsupported)
+    with pytest.raises(xla_wrap.CheckpointValueError, match="every_n_layers"):
+        xla_hf.gradient_checkpointing_enable(gpt2(), every_n_layers=0)
+    with pytest.raises(xla_wrap.CheckpointTypeError, match="preserve_rng_state"):
+        xla_hf.gradient_checkpointing_enable(gpt2(), use_reentrant=True)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'xla_wrap\[hf\]'"):
+        xla_hf.gradient_checkpointing_enable(gpt2())
