@@ -84,6 +84,9 @@ def fsdp2_shard_checkpointed_blocks(net: Net) -> nn.Module:
 
     for i, block in enumerate(net.blocks):
         net.blocks[i] = fully_shard(xla_wrap.checkpoint_wrapper(block))
+        # Wrapping the sharded checkpoint again is a no-op, as for any CheckpointWrapper.
+        if xla_wrap.checkpoint_wrapper(net.blocks[i]) is not net.blocks[i]:
+            raise AssertionError("checkpoint_wrapper re-wrapped an FSDP2-sharded wrapper")
     return fully_shard(net)
 
 

@@ -243,3 +243,31 @@ def test_apply_checks_options_before_wrapping_anything() -> None:
     with pytest.raises(NotImplementedError, match="offload_to_cpu"):
         xla_wrap.apply_activation_checkpointing(model, lambda m: False, offload_to_cpu=True)
     assert isinstance(model[0], nn.Linear)
+
+
+def test_functional_call_and_reassigned_parameters_get_the_forward_parameters_gradients() -> None:
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    model[0] = xla_wrap.checkpoint_wrapper(model[0])
+    x = torch.randn(BATCH, WIDTH)
+    # functional_call puts the module's own parameters back before backward runs: the
+    # recomputation must still use the parameters the forward used.
+    params = {n: torch.randn_like(p, requires_grad=True) for n, p in model.named_parameters()}
+    twins = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    functional_call(model, params, (x,)).sum().backward()
+    functional_call(reference, twins, (x,)).sum().backward()
+    for name, param in params.items():
+        assert param.grad is not None and torch.equal(param.grad, twins[name].grad), name
+    assert all(p.grad is None for p in model.parameters())
+    # A parameter replaced between forward and backward: the forward's one gets the gradient.
+    linear = nn.Linear(WIDTH, WIDTH)
+    old_weight = linear.weight
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    y = xla_wrap.checkpoint(linear, x)
+    linear.weight = nn.Parameter(torch.zeros(WIDTH, WIDTH))
+    y.sum().backward()
+    assert old_weight.grad is not None and linear.weight.grad is None
+    torch.testing.assert_close(x.grad, old_weight.detach().sum(0).expand(BATCH, WIDTH))

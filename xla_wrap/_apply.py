@@ -129,5 +129,7 @@ def _resolved(api: str, policy: Policy, model: nn.Module) -> Callable[[nn.Module
             "nothing is checkpointed. Check the classes, names or sizes it looks for.",
             stacklevel=3,
         )
+    for _, module in selected:  # refuse before anything is replaced
+        refuse_eager_fsdp_unit(api, module)
     chosen = {id(module) for _, module in selected}
     return lambda module: id(module) in chosen

@@ -65,10 +65,11 @@ class ModuleTensors:
         saved: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
         try:
             for slots, name, index in self.param_slots:
-                # A parameter slot that no longer holds the forward's tensor was changed between
-                # forward and backward by its owner (FSDP1 with use_orig_params=True takes the
-                # parameters out and the block reads FSDP's views): leave it as it is.
-                if slots.get(name) is not self.params[index]:
+                # A parameter slot its owner removed between forward and backward stays removed
+                # (FSDP1 with use_orig_params=True takes the parameters out, and the block reads
+                # FSDP's views). Every other slot reads the forward's parameter, even if someone
+                # put another tensor there since (functional_call, reassignment).
+                if name not in slots:
                     continue
                 saved.append((slots, name, slots[name]))
                 slots[name] = params[index]

@@ -201,7 +201,6 @@ def checkpoint_wrapper(
         preserve_rng_state=preserve_rng_state,
         offload_to_cpu=offload_to_cpu,
     )
-    refuse_eager_fsdp_unit("xla_wrap.checkpoint_wrapper", module)
     if isinstance(module, CheckpointWrapper):
         if module.checkpoint_options == options:
             return module
@@ -210,6 +209,7 @@ def checkpoint_wrapper(
             f"{module.checkpoint_options}, and got {options}. To change options, wrap the "
             "inner module: `checkpoint_wrapper(wrapper.checkpoint_module, ...)`."
         )
+    refuse_eager_fsdp_unit("xla_wrap.checkpoint_wrapper", module)
     return CheckpointWrapper(module, options)
 
 
