@@ -168,6 +168,11 @@ class _NoCheckpointing(transformers.GPT2LMHeadModel):  # type: ignore[misc,name-
     supports_gradient_checkpointing = False
 
 
+class _OldFormat(transformers.GPT2LMHeadModel):  # type: ignore[misc,name-defined]
+    def _set_gradient_checkpointing(self, module: nn.Module, value: bool = False) -> None:
+        pass  # the hook's format before transformers 4.35, still found in Hub modeling files
+
+
 def test_bad_models_and_options_are_refused_with_what_to_do(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -177,6 +182,8 @@ def test_bad_models_and_options_are_refused_with_what_to_do(
     unsupported = _NoCheckpointing(gpt2().config)
     with pytest.raises(xla_wrap.CheckpointValueError, match="supports_gradient_checkpointing"):
         xla_hf.gradient_checkpointing_enable(unsupported)
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"before transformers 4\.35"):
+        xla_hf.gradient_checkpointing_enable(_OldFormat(gpt2().config))
     with pytest.raises(xla_wrap.CheckpointValueError, match="every_n_layers"):
         xla_hf.gradient_checkpointing_enable(gpt2(), every_n_layers=0)
     with pytest.raises(xla_wrap.CheckpointTypeError, match="preserve_rng_state"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from types import ModuleType
 from typing import Any
 
@@ -116,6 +117,14 @@ def _check_model(api: str, model: Any) -> None:
             f"{type(model).__name__}, whose class sets supports_gradient_checkpointing = False. "
             "Checkpoint its blocks with xla_wrap.apply_activation_checkpointing(model, "
             "xla_wrap.wrap.by_type(BlockClass)) instead."
+        )
+    if "value" in inspect.signature(model._set_gradient_checkpointing).parameters:
+        raise CheckpointValueError(
+            f"{api}: expected a model using transformers' current checkpointing hook, got "
+            f"{type(model).__name__}, which overrides `_set_gradient_checkpointing(module, "
+            "value)` in the format before transformers 4.35 and cannot take another checkpoint "
+            "function. Checkpoint its blocks with xla_wrap.apply_activation_checkpointing("
+            "model, xla_wrap.wrap.by_type(BlockClass)) instead."
         )
 
 
