@@ -51,9 +51,7 @@ def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> 
     """The module whose parameters ``function`` reads: the module itself, the owner of a bound
     method, either of those inside ``functools.partial``, or the module an unbound method is
     called on (``Layer.forward(layer, x)``, as transformers 5 checkpoints its layers)."""
-    while isinstance(function, functools.partial):
-        args = (*function.args, *args)
-        function = function.func
+    function, args, _ = _unpartial(function, args, {})
     if isinstance(function, nn.Module):
         return [function]
     owner = getattr(function, "__self__", None)

@@ -178,28 +178,29 @@ def _shard_like_output(
         _xla.warn_unsharded_gradient_once()
 
 
-def record_output_sharding(output: torch.Tensor) -> bool:
+def record_output_sharding(output: torch.Tensor) -> None:
     """Record the sharding given to ``output`` after a checkpoint returned it.
 
     SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
     made of the checkpoint's output. This walks from ``output`` back through such pass-through
     nodes to the checkpoint that produced it, so that its backward shards the gradient the same
-    way. Returns whether a checkpoint was found.
+    way. An output that no checkpoint produced, or that has no sharding, is left alone.
     """
     op_sharding = _xla.sharding(output)
+    if op_sharding is None:
+        return
     node, index = output.grad_fn, output.output_nr
     for _ in range(_MAX_ALIAS_HOPS):
         if node is None:
-            return False
+            return
         if isinstance(node, CheckpointFunction._backward_cls):
             call: CheckpointCall = node.call
-            if op_sharding is not None and index < len(call.output_shardings):
+            if index < len(call.output_shardings):
                 call.output_shardings[index] = op_sharding
-            return True
+            return
         if type(node).__name__ not in _PASS_THROUGH_NODES:
-            return False
+            return
         node, index = node.next_functions[index]
-    return False
 
 
 # Autograd nodes that hand their inputs on unchanged, one output per input.

@@ -112,5 +112,4 @@ def format_units(units: list[str]) -> str:
 
 def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
     for tensor in Flat.of(output).tensors:
-        if tensor.grad_fn is not None:
-            record_output_sharding(tensor)
+        record_output_sharding(tensor)

@@ -171,9 +171,10 @@ def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) 
     from xla_wrap import introspect
 
     result: dict[str, Any] = {}
-    workload = build(model_name, sizes)
-    if variant == "none" and workload.devices == 1:  # the floor is for one device
-        result["floor_bytes"] = estimated_floor(workload, range(1, len(workload.blocks)))
+    if variant == "none":
+        workload = build(model_name, sizes)
+        if workload.devices == 1:  # the floor is estimated for one device
+            result["floor_bytes"] = estimated_floor(workload, range(1, len(workload.blocks)))
     step = _prepare(model_name, variant, sizes)
     xm.set_rng_state(SEED, str(torch_xla.device()))
     losses: list[torch.Tensor] = []
