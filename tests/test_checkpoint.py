@@ -27,15 +27,18 @@ from models import (
 )
 
 
-def wrap_blocks(model: nn.Module) -> None:
+def wrap_blocks(model: nn.Module, **options: Any) -> None:
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = xla_wrap.checkpoint_wrapper(block)
+        model.blocks[i] = xla_wrap.checkpoint_wrapper(block, **options)
 
 
-def test_wrapped_model_gives_same_loss_and_gradients_with_dropout(device: torch.device) -> None:
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_wrapped_model_gives_same_loss_and_gradients_with_dropout(
+    device: torch.device, use_reentrant: bool
+) -> None:
     torch.manual_seed(0)
     model = Stack().to(device)
-    twin = wrapped_copy(model, wrap_blocks)
+    twin = wrapped_copy(model, functools.partial(wrap_blocks, use_reentrant=use_reentrant))
     expected = train_step(model, device, seed=7)
     got = train_step(twin, device, seed=7)
     assert_same(expected, got, device)
@@ -128,12 +131,15 @@ def _leaves(value: Any) -> list[Any]:
     return [value]
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @settings(max_examples=40, deadline=None)
 @given(args=st.lists(_tree, max_size=3), kwargs=st.dictionaries(st.sampled_from(["x", "y"]), _tree))
-def test_nested_arguments_and_outputs_match_unwrapped(args: list[Any], kwargs: dict) -> None:
+def test_nested_arguments_and_outputs_match_unwrapped(
+    args: list[Any], kwargs: dict, use_reentrant: bool
+) -> None:
     torch.manual_seed(0)
     block = TreeBlock()
-    wrapped = xla_wrap.checkpoint_wrapper(block)
+    wrapped = xla_wrap.checkpoint_wrapper(block, use_reentrant=use_reentrant)
 
     def run(module: nn.Module) -> tuple[Any, list[torch.Tensor | None]]:
         counter = [0]
@@ -350,7 +356,7 @@ def test_recomputation_with_a_different_shape_is_refused() -> None:
 def test_autograd_grad_gets_a_clear_error() -> None:
     x = torch.randn(3, requires_grad=True)
     y = xla_wrap.checkpoint(lambda t: t.sin(), x)
-    with pytest.raises(xla_wrap.CheckpointError, match=r"loss.backward\(\)"):
+    with pytest.raises(xla_wrap.CheckpointError, match=r"use_reentrant=False.*loss.backward\(\)"):
         torch.autograd.grad(y.sum(), x)
 
 
@@ -399,8 +405,8 @@ def test_checkpoint_sequential_checkpoints_all_but_the_last_segment() -> None:
             "offload_to_cpu=False",
         ),
         (
-            lambda: xla_wrap.checkpoint(nn.Linear(2, 2), torch.ones(2), use_reentrant=False),
-            NotImplementedError,
+            lambda: xla_wrap.checkpoint(nn.Linear(2, 2), torch.ones(2), use_reentrant="no"),
+            TypeError,
             "use_reentrant",
         ),
         (

@@ -186,8 +186,8 @@ def test_bad_models_and_options_are_refused_with_what_to_do(
         xla_hf.gradient_checkpointing_enable(_OldFormat(gpt2().config))
     with pytest.raises(xla_wrap.CheckpointValueError, match="every_n_layers"):
         xla_hf.gradient_checkpointing_enable(gpt2(), every_n_layers=0)
-    with pytest.raises(xla_wrap.CheckpointTypeError, match="preserve_rng_state"):
-        xla_hf.gradient_checkpointing_enable(gpt2(), use_reentrant=True)
+    with pytest.raises(xla_wrap.CheckpointTypeError, match="preserve_rng_state, use_reentrant"):
+        xla_hf.gradient_checkpointing_enable(gpt2(), reentrant=True)
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'xla_wrap\[hf\]'"):
         xla_hf.gradient_checkpointing_enable(gpt2())

@@ -88,15 +88,18 @@ def test_user_seed_set_after_backward_is_kept(xla_device: torch.device) -> None:
         pytest.param(lambda block: functools.partial(block.__call__), id="partial"),
     ],
 )
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_backward_barrier_ties_inputs_gradients_and_parameters(
-    xla_device: torch.device, make_function: Callable[[nn.Module], Callable[..., torch.Tensor]]
+    xla_device: torch.device,
+    make_function: Callable[[nn.Module], Callable[..., torch.Tensor]],
+    use_reentrant: bool,
 ) -> None:
     import torch_xla
 
     torch.manual_seed(0)
     block = Block().to(xla_device)
     x = torch.randn(BATCH, WIDTH, device=xla_device, requires_grad=True)
-    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0)
+    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0, use_reentrant=use_reentrant)
     forward_hlo = introspect.pending_hlo([y])
     y.sum().backward()
     hlo = introspect.pending_hlo([block.linear.weight.grad, x.grad])
@@ -108,7 +111,8 @@ def test_backward_barrier_ties_inputs_gradients_and_parameters(
     # saved input and incoming gradient (f32[4,8]), weight f32[8,8], and the 1-D parameters
     assert operands.count(f"f32[{BATCH},{WIDTH}]") == 2
     assert f"f32[{WIDTH},{WIDTH}]" in operands
-    # The recomputation reads the barriered input, gradient and weight, not the originals.
+    # The recomputation and the block's backward read the barriered input, gradient and
+    # weight, not the originals.
     used = _used_barrier_outputs(hlo)
     assert used.count(f"f32[{BATCH},{WIDTH}]") == 2 and f"f32[{WIDTH},{WIDTH}]" in used
 

@@ -8,6 +8,7 @@ the CPU/CUDA/XLA random generators so Dropout recomputes exactly, and presents w
 under their original names.
 """
 
+from . import checkpoint_policies as checkpoint_policies
 from . import fsdp as fsdp
 from . import introspect as introspect
 from . import wrap as wrap
@@ -20,8 +21,9 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointTypeError as CheckpointTypeError
 from ._errors import CheckpointValueError as CheckpointValueError
 from ._errors import XlaWrapError as XlaWrapError
+from ._options import CheckpointOptions as CheckpointOptions
+from ._selective import checkpoint_name as checkpoint_name
 from ._state import is_recomputing as is_recomputing
-from ._wrapper import CheckpointOptions as CheckpointOptions
 from ._wrapper import CheckpointWrapper as CheckpointWrapper
 from ._wrapper import checkpoint_wrapper as checkpoint_wrapper
 
@@ -37,6 +39,8 @@ __all__ = [
     "XlaWrapError",
     "apply_activation_checkpointing",
     "checkpoint",
+    "checkpoint_name",
+    "checkpoint_policies",
     "checkpoint_sequential",
     "checkpoint_wrapper",
     "fsdp",

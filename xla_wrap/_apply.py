@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
-from ._wrapper import CheckpointWrapper, make_options, refuse_eager_fsdp_unit
+from ._options import OPTION_NAMES, make_options
+from ._wrapper import CheckpointWrapper, refuse_eager_fsdp_unit
 from .fsdp import format_units, fsdp_units
 from .wrap import Policy
 
@@ -36,7 +37,8 @@ def apply_activation_checkpointing(
     Args:
         model: The model to modify.
         check_fn: Decides, per submodule, whether to checkpoint it.
-        **wrapper_options: Keyword options for :func:`checkpoint_wrapper`.
+        **wrapper_options: Keyword options for :func:`checkpoint_wrapper` (``policy``,
+            ``use_reentrant``, ...).
 
     Returns:
         ``model`` itself.
@@ -71,8 +73,8 @@ def apply_activation_checkpointing(
         options = make_options(api, **wrapper_options)
     except TypeError:
         raise CheckpointTypeError(
-            f"{api}: expected wrapper options among `preserve_rng_state` and `offload_to_cpu`, "
-            f"got {sorted(wrapper_options)}. Pass only those, as keywords."
+            f"{api}: expected wrapper options among {', '.join(OPTION_NAMES)}, got "
+            f"{sorted(wrapper_options)}. Pass only those, as keywords."
         ) from None
     if isinstance(check_fn, Policy):
         check_fn = _resolved(api, check_fn, model)

@@ -10,9 +10,13 @@ import torch
 from torch import nn
 
 from . import _xla
+from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
-from ._function import CheckpointCall, CheckpointFunction
+from ._function import CheckpointFunction
 from ._module_tensors import ModuleTensors
+from ._nonreentrant import run_nonreentrant
+from ._options import CheckpointOptions, make_options
+from ._recompute import CheckpointCall
 from ._tree import Flat
 
 
@@ -23,11 +27,12 @@ def run_checkpointed(
     kwargs: dict[str, Any],
     *,
     owners: Iterable[nn.Module],
-    preserve_rng_state: bool,
+    options: CheckpointOptions,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` as a checkpoint whose barrier also covers the
-    parameters and buffers of ``owners``. Outside autograd it is a plain call."""
-    if not torch.is_grad_enabled():
+    parameters and buffers of ``owners``. Outside autograd, or with a policy that keeps
+    everything, it is a plain call."""
+    if not torch.is_grad_enabled() or options.policy is cp.everything_saveable:
         return function(*args, **kwargs)
     inputs = Flat.of((args, kwargs))
     call = CheckpointCall(
@@ -35,10 +40,12 @@ def run_checkpointed(
         function=function,
         inputs=inputs,
         owners=ModuleTensors.of(owners),
-        preserve_rng_state=preserve_rng_state,
+        preserve_rng_state=options.preserve_rng_state,
     )
     tensors = (*inputs.tensors, *call.owners.params)
     _xla.warn_if_barriers_stripped(tensors)
+    if not options.use_reentrant:
+        return run_nonreentrant(call, options.policy)
     anchor = None
     if not any(t.requires_grad for t in tensors):
         anchor = torch.empty(0, requires_grad=True)
@@ -83,19 +90,12 @@ def _unpartial(
     return function, args, kwargs
 
 
-def _check_reentrant(api: str, use_reentrant: bool | None) -> None:
-    if use_reentrant is False:
-        raise NotImplementedError(
-            f"{api}: use_reentrant=False is not available yet; the non-reentrant engine is "
-            "planned. Omit the argument (or pass True) and call `loss.backward()`."
-        )
-
-
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
+    policy: cp.SavePolicy | str | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in
@@ -111,8 +111,16 @@ def checkpoint(
         *args: Positional arguments for ``function``.
         preserve_rng_state: Replay the CPU, CUDA and XLA generators so that random ops
             (Dropout) draw the same numbers in the recomputation as in the forward.
-        use_reentrant: Accepted for compatibility with ``torch.utils.checkpoint``; only the
-            reentrant engine exists so far, so ``False`` raises ``NotImplementedError``.
+        use_reentrant: The engine (PyTorch's keyword). ``True``: the block runs without a
+            graph and is recomputed and differentiated inside its own backward; supports
+            ``loss.backward()`` only. ``False``: the block records its graph but saves
+            placeholders, recomputes them behind the barrier before its graph runs, and stops
+            once they exist; supports ``torch.autograd.grad`` and save policies. ``None``
+            (default): reentrant, unless ``policy`` is given (docs/policies.md).
+        policy: What to keep instead of recomputing: a function of
+            :mod:`xla_wrap.checkpoint_policies` (or its name, like ``"dots_saveable"``) or any
+            callable taking a :class:`~xla_wrap.checkpoint_policies.Op`. None recomputes
+            everything.
         **kwargs: Keyword arguments for ``function``.
 
     Returns:
@@ -120,9 +128,10 @@ def checkpoint(
 
     Raises:
         CheckpointTypeError: If ``function`` is not callable.
-        CheckpointError: In backward, if the recomputation returns a different structure,
-            shape or dtype than the forward did, or if backward was called through
-            ``torch.autograd.grad``.
+        CheckpointValueError: If ``policy`` is unknown or given with ``use_reentrant=True``.
+        CheckpointError: In backward, if the recomputation computes something else than the
+            forward did (the first different output or saved tensor is named), or if the
+            reentrant engine's backward was called through ``torch.autograd.grad``.
 
     Example:
         >>> import torch, xla_wrap
@@ -139,7 +148,12 @@ def checkpoint(
             "Pass the module or function to run, then its arguments: "
             "`checkpoint(block, x, mask=m)`."
         )
-    _check_reentrant("xla_wrap.checkpoint", use_reentrant)
+    options = make_options(
+        "xla_wrap.checkpoint",
+        preserve_rng_state=preserve_rng_state,
+        use_reentrant=use_reentrant,
+        policy=policy,
+    )
     function, args, kwargs = _unpartial(function, args, kwargs)
     return run_checkpointed(
         "xla_wrap.checkpoint",
@@ -147,7 +161,7 @@ def checkpoint(
         args,
         kwargs,
         owners=owning_modules(function, args),
-        preserve_rng_state=preserve_rng_state,
+        options=options,
     )
 
 
@@ -158,6 +172,7 @@ def checkpoint_sequential(
     *,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
+    policy: cp.SavePolicy | str | None = None,
 ) -> Any:
     """Run a sequence of callables in ``segments`` chunks, checkpointing all but the last chunk.
 
@@ -171,6 +186,7 @@ def checkpoint_sequential(
         input: The input of the first callable.
         preserve_rng_state: As for :func:`checkpoint`.
         use_reentrant: As for :func:`checkpoint`.
+        policy: As for :func:`checkpoint`.
 
     Returns:
         The output of the last callable.
@@ -213,7 +229,9 @@ def checkpoint_sequential(
             f"{api}: expected `segments` between 1 and {len(items)} (the number of layers), got "
             f"{segments}. Choose fewer segments or pass more layers."
         )
-    _check_reentrant(api, use_reentrant)
+    options = make_options(
+        api, preserve_rng_state=preserve_rng_state, use_reentrant=use_reentrant, policy=policy
+    )
 
     def run(chunk: list[Any]) -> Callable[[Any], Any]:
         def forward(value: Any) -> Any:
@@ -228,8 +246,6 @@ def checkpoint_sequential(
     for _ in range(segments - 1):
         chunk = items[start : start + size]
         modules = [m for f in chunk for m in owning_modules(f)]
-        input = run_checkpointed(
-            api, run(chunk), (input,), {}, owners=modules, preserve_rng_state=preserve_rng_state
-        )
+        input = run_checkpointed(api, run(chunk), (input,), {}, owners=modules, options=options)
         start += size
     return run(items[start:])(input)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from ._checkpoint import run_checkpointed
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
+from ._options import CheckpointOptions, make_options
+from .checkpoint_policies import SavePolicy
 
 # state_dict hook tables: shared, so hooks registered on either object run exactly once, from
 # the module's own state_dict / load path.
@@ -27,14 +28,6 @@ _SHARED_HOOK_TABLES = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    """How a :class:`CheckpointWrapper` checkpoints its module."""
-
-    preserve_rng_state: bool = True
-    offload_to_cpu: bool = False
 
 
 class CheckpointWrapper(nn.Module):
@@ -80,7 +73,7 @@ class CheckpointWrapper(nn.Module):
             args,
             kwargs,
             owners=(module,),
-            preserve_rng_state=self.checkpoint_options.preserve_rng_state,
+            options=self.checkpoint_options,
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -140,22 +133,12 @@ class CheckpointWrapper(nn.Module):
         return f"CheckpointWrapper({self.checkpoint_module!r})"
 
 
-def make_options(
-    api: str, *, preserve_rng_state: bool = True, offload_to_cpu: bool = False
-) -> CheckpointOptions:
-    """Validate wrapper options once, for every API that takes them."""
-    if offload_to_cpu:
-        raise NotImplementedError(
-            f"{api}: offload_to_cpu=True is not available yet. Pass offload_to_cpu=False; "
-            "activations are then recomputed instead of kept on the host."
-        )
-    return CheckpointOptions(preserve_rng_state=bool(preserve_rng_state), offload_to_cpu=False)
-
-
 def checkpoint_wrapper(
     module: nn.Module,
     *,
     preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+    policy: SavePolicy | str | None = None,
     offload_to_cpu: bool = False,
 ) -> CheckpointWrapper:
     """Wrap ``module`` so that every call of it is checkpointed with an optimization barrier.
@@ -173,6 +156,9 @@ def checkpoint_wrapper(
         preserve_rng_state: Replay the CPU, CUDA and XLA generators so that Dropout draws the
             same mask in the recomputation as in the forward. Turn off only for blocks
             without random ops, to skip saving generator states.
+        use_reentrant: The engine, as for :func:`xla_wrap.checkpoint`.
+        policy: A save policy (:mod:`xla_wrap.checkpoint_policies`), as for
+            :func:`xla_wrap.checkpoint`.
         offload_to_cpu: Keep saved inputs in host memory. Not available yet: ``True`` raises
             ``NotImplementedError``.
 
@@ -181,7 +167,8 @@ def checkpoint_wrapper(
 
     Raises:
         CheckpointTypeError: If ``module`` is not an ``nn.Module``.
-        CheckpointValueError: If ``module`` is already wrapped with other options.
+        CheckpointValueError: If ``module`` is already wrapped with other options, or
+            ``policy`` is unknown or given with ``use_reentrant=True``.
         NotImplementedError: If ``offload_to_cpu`` is True.
 
     Example:
@@ -199,6 +186,8 @@ def checkpoint_wrapper(
     options = make_options(
         "xla_wrap.checkpoint_wrapper",
         preserve_rng_state=preserve_rng_state,
+        use_reentrant=use_reentrant,
+        policy=policy,
         offload_to_cpu=offload_to_cpu,
     )
     if isinstance(module, CheckpointWrapper):

@@ -25,9 +25,10 @@ from torch import nn
 
 from . import _xla
 from ._errors import CheckpointValueError
-from ._function import record_output_sharding
+from ._options import make_options
+from ._recompute import record_output_sharding
 from ._tree import Flat
-from ._wrapper import CheckpointWrapper, checkpoint_wrapper, make_options
+from ._wrapper import CheckpointWrapper, checkpoint_wrapper
 from .wrap import Policy
 
 __all__ = ["auto_wrap_policy", "auto_wrapper_callable", "fsdp_units"]
@@ -72,7 +73,7 @@ def auto_wrapper_callable(
     def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         unit: nn.Module = fsdp(checkpoint_wrapper(module, **checkpoint_options), *args, **kwargs)
         # SPMD FSDP shards the unit's output after the checkpoint returned it; the checkpoint's
-        # backward must shard the gradient the same way (see _function.record_output_sharding).
+        # backward must shard the gradient the same way (see _recompute.record_output_sharding).
         unit.register_forward_hook(_record_output_shardings)
         return unit
 

@@ -15,7 +15,7 @@ from typing import Any
 from .._xla import KEEP_BARRIERS_FLAG
 from ._models import MODELS, SHARDED_DEVICES
 from ._report import compare, render_chart, render_table
-from ._variants import VARIANTS
+from ._variants import OPT_IN, TRANSFORMER_ONLY, VARIANTS
 
 _TRANSFORMER = {"blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8, "dropout_pct": 10}
 _QUICK_TRANSFORMER = {"blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 4, "dropout_pct": 10}
@@ -48,7 +48,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated; transformer-fsdpv2 is the transformer under SPMD FSDPv2 on "
         f"{SHARDED_DEVICES} virtual CPU devices (figures per device)",
     )
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument(
+        "--variants",
+        default=",".join(v for v in VARIANTS if v not in OPT_IN),
+        help=f"comma-separated, among {', '.join(VARIANTS)} (default: all but {', '.join(OPT_IN)})",
+    )
     parser.add_argument(
         "--steps",
         type=_positive,
@@ -183,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _variants_for(model: str, variants: list[str]) -> list[str]:
-    if not model.endswith("fsdpv2"):
+    if model.endswith("fsdpv2"):
+        return [v for v in variants if v in SHARDED_VARIANTS]
+    if model == "transformer":
         return variants
-    return [v for v in variants if v in SHARDED_VARIANTS]
+    return [v for v in variants if v not in TRANSFORMER_ONLY]
 
 
 def _spawn(job: dict[str, Any], flags: str, tmp: Path, timeout: float) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from .._checkpoint import checkpoint
 from .._errors import CheckpointTypeError, CheckpointValueError, describe
-from .._wrapper import make_options
+from .._options import OPTION_NAMES, make_options
 
 __all__ = ["gradient_checkpointing_disable", "gradient_checkpointing_enable"]
 
@@ -48,7 +48,7 @@ def gradient_checkpointing_enable(
         model: A transformers ``PreTrainedModel`` whose class supports gradient checkpointing.
         every_n_layers: Checkpoint one layer in this many (1: all of them).
         **checkpoint_options: Options of :func:`xla_wrap.checkpoint_wrapper`
-            (``preserve_rng_state``).
+            (``preserve_rng_state``, ``use_reentrant``, ``policy``).
 
     Raises:
         ImportError: If transformers is not installed.
@@ -72,10 +72,15 @@ def gradient_checkpointing_enable(
         options = make_options(api, **checkpoint_options)
     except TypeError:
         raise CheckpointTypeError(
-            f"{api}: expected checkpoint options among `preserve_rng_state` and "
-            f"`offload_to_cpu`, got {sorted(checkpoint_options)}. Pass only those, as keywords."
+            f"{api}: expected checkpoint options among {', '.join(OPTION_NAMES)}, got "
+            f"{sorted(checkpoint_options)}. Pass only those, as keywords."
         ) from None
-    function = functools.partial(checkpoint, preserve_rng_state=options.preserve_rng_state)
+    function = functools.partial(
+        checkpoint,
+        preserve_rng_state=options.preserve_rng_state,
+        use_reentrant=options.use_reentrant,
+        policy=options.policy,
+    )
     pretrained: Any = model  # a PreTrainedModel, checked above
     pretrained._set_gradient_checkpointing(
         enable=True, gradient_checkpointing_func=function, every_n_layers=every_n_layers

@@ -1,0 +1,243 @@
+"""The non-reentrant engine: the forward records its autograd graph as usual, but every tensor
+that graph saves for backward is replaced by a placeholder, and backward recomputes them.
+
+Gradients flow through the forward's own graph, so ``torch.autograd.grad``, ``backward(inputs=)``
+and gradients for tensors the block reaches from outside work as they do without checkpointing.
+PyTorch's implementation recomputes from inside the first unpack hook, which on XLA is neither
+ordered after the incoming gradient nor distinct from the forward. Here a *gate*, an autograd
+Function over the block's outputs, runs first in backward, receives every output gradient, and
+recomputes behind the barrier of :mod:`._recompute` (inputs, values a policy kept, gradients,
+parameters, buffers). It hands the barriered gradients on to the block's graph, whose nodes then
+read recomputed values only: everything backward does for the block comes after the barrier.
+
+The recomputation stops as soon as the last saved tensor exists, and each tensor it makes is
+checked against the one the forward saved at the same position (shape, dtype), so a block that
+computes something else when run again fails with the first difference instead of a wrong
+gradient. Nested checkpoints work because the gate saves the block's inputs and kept values
+through the ordinary saved-tensor mechanism: an enclosing checkpoint replaces them with its own
+placeholders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _selective, _xla
+from . import checkpoint_policies as cp
+from ._errors import CheckpointError
+from ._recompute import (
+    CheckpointCall,
+    barrier_for_recompute,
+    check_inputs_unchanged,
+    raise_not_deterministic,
+    replaying,
+    shard_like_output,
+)
+from ._tree import Flat
+
+
+def run_nonreentrant(call: CheckpointCall, policy: cp.SavePolicy | None) -> Any:
+    """Run ``call`` once, saving placeholders, and return its output behind the gate."""
+    selection = None
+    if policy is not None and policy is not cp.nothing_saveable:
+        selection = _selective.Selection(call.api, policy)
+    frame = _Frame(call, selection)
+    inputs = call.inputs.tensors
+    with _selective.active(None):  # xla_wrap's own operations are nobody's to keep
+        # The forward may update buffers in place (BatchNorm statistics); the recomputation
+        # must read them as the forward did. On XLA the copy costs nothing until they change.
+        buffers = [b.detach().clone() for b in call.owners.buffers]
+        call.capture_state([*inputs, *call.owners.params])
+        versions = [t._version for t in inputs]
+        with ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack))
+            stack.enter_context(selection.recording() if selection else _selective.active(None))
+            value = call.run(inputs)
+        outputs = Flat.of(value)
+        check_inputs_unchanged(call, inputs, versions)
+        kept = selection.take_kept() if selection else []
+        gated = [i for i, t in enumerate(outputs.tensors) if t.requires_grad]
+        if not gated:
+            return value
+        # Indexed like the gate's outputs, as record_output_sharding finds them.
+        call.output_shardings = [_xla.sharding(outputs.tensors[i]) for i in gated]
+        frame.to_save = (inputs, kept, buffers)
+        through = _OutputGate.apply(frame, *(outputs.tensors[i] for i in gated))
+    tensors = list(outputs.tensors)
+    for i, tensor in zip(gated, through, strict=True):
+        tensors[i] = tensor
+    return outputs.rebuild(tensors)
+
+
+@dataclass(frozen=True)
+class _SavedMeta:
+    """What the forward saved at one position, to check the recomputation against."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    made_by: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _SavedMeta:
+        node = tensor.grad_fn
+        return cls(tuple(tensor.shape), tensor.dtype, node.name() if node is not None else "")
+
+    def __str__(self) -> str:
+        made_by = f" made by {self.made_by}" if self.made_by else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}){made_by}"
+
+
+class _Placeholder:
+    """What the block's graph holds instead of a saved tensor."""
+
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame: _Frame, index: int) -> None:
+        self.frame = frame
+        self.index = index
+
+
+class _StopRecomputation(Exception):
+    """Raised by the recomputation's pack hook once the last saved tensor exists."""
+
+    def __init__(self, frame: _Frame) -> None:
+        super().__init__()
+        self.frame = frame
+
+
+class _Frame:
+    """One checkpointed call of the non-reentrant engine."""
+
+    def __init__(self, call: CheckpointCall, selection: _selective.Selection | None) -> None:
+        self.call = call
+        self.selection = selection
+        self.saved: list[_SavedMeta] = []
+        # per backward (graph task id): position in `saved` -> recomputed tensor
+        self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
+        self.to_save: tuple[Sequence[torch.Tensor], ...] | None = None
+
+    def pack(self, tensor: torch.Tensor) -> _Placeholder:
+        self.saved.append(_SavedMeta.of(tensor))
+        return _Placeholder(self, len(self.saved) - 1)
+
+    def recompute(
+        self,
+        inputs: Sequence[torch.Tensor],
+        kept: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Recompute what the block's graph saved, behind the barrier; the barriered grads."""
+        call = self.call
+        copies = barrier_for_recompute(call, inputs, grads, buffers, kept)
+        if not self.saved:
+            return copies.grads
+        store: dict[int, torch.Tensor] = {}
+
+        def pack(tensor: torch.Tensor) -> int:
+            index = len(store)
+            if index >= len(self.saved):  # only without a stop, i.e. never: kept for safety
+                raise_not_deterministic(call, f"saved more than the {len(self.saved)} tensors")
+            expected = self.saved[index]
+            got = _SavedMeta.of(tensor)
+            if (got.shape, got.dtype) != (expected.shape, expected.dtype):
+                raise_not_deterministic(
+                    call,
+                    f"saved {got} as tensor {index} for backward, where the forward saved "
+                    f"{expected}",
+                )
+            store[index] = tensor.detach()
+            if len(store) == len(self.saved):
+                raise _StopRecomputation(self)
+            return index
+
+        with ExitStack() as stack:
+            stack.enter_context(replaying(call, copies))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked))
+            if self.selection is not None:
+                stack.enter_context(self.selection.substituting(copies.kept))
+            else:
+                stack.enter_context(_selective.active(None))
+            try:
+                call.run(copies.inputs)
+            except _StopRecomputation as stop:
+                if stop.frame is not self:
+                    raise
+        if len(store) < len(self.saved):
+            raise_not_deterministic(
+                call,
+                f"saved {len(store)} tensors for backward, where the forward saved "
+                f"{len(self.saved)}; the first missing one is {self.saved[len(store)]}",
+            )
+        graph_task = torch._C._current_graph_task_id()
+        self.recomputed[graph_task] = store
+        # Whatever this backward does not read (branches that need no gradient) goes at its end.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release(graph_task))
+        return copies.grads
+
+    def _release(self, graph_task: int) -> None:
+        self.recomputed.pop(graph_task, None)
+
+
+def _unpack(placeholder: _Placeholder) -> torch.Tensor:
+    frame = placeholder.frame
+    store = frame.recomputed.get(torch._C._current_graph_task_id(), {})
+    tensor = store.pop(placeholder.index, None)
+    if tensor is None:
+        raise CheckpointError(
+            f"{frame.call.api}: backward needed a tensor saved inside a checkpointed block "
+            "before the gradients of the block's outputs arrived, so it cannot be recomputed "
+            "behind the barrier. A value computed inside the block reached the loss (or "
+            "`torch.autograd.grad`) without passing through the block's return value, or a "
+            "saved tensor was read outside backward. Return that value from the block."
+        )
+    return tensor
+
+
+def _never_unpacked(index: int) -> torch.Tensor:
+    raise AssertionError("the recomputation's own graph is never differentiated")
+
+
+class _OutputGate(torch.autograd.Function):
+    """``apply(frame, *outputs)`` -> aliases of the block's outputs that require grad; their
+    backward recomputes the block behind the barrier before the block's graph runs."""
+
+    @staticmethod
+    def forward(ctx: Any, frame: _Frame, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        assert frame.to_save is not None
+        inputs, kept, buffers = frame.to_save
+        frame.to_save = None
+        ctx.frame = frame
+        ctx.call = frame.call  # lets record_output_sharding find this checkpoint
+        ctx.split = len(inputs)
+        ctx.buffers = buffers
+        # Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
+        # checkpoint swaps them for placeholders of its own.
+        ctx.save_for_backward(*inputs, *kept)
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        frame: _Frame = ctx.frame
+        saved = ctx.saved_tensors
+        present = [i for i, g in enumerate(grads) if g is not None]
+        with _selective.active(None):
+            copies = frame.recompute(
+                saved[: ctx.split],
+                saved[ctx.split :],
+                [g for g in grads if g is not None],
+                ctx.buffers,
+            )
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for i, grad in zip(present, copies, strict=True):
+            shard_like_output(grad, None, frame.call.output_shardings[i])
+            out[i] = grad
+        return (None, *out)

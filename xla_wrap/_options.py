@@ -1,0 +1,69 @@
+"""How a checkpoint runs: the options every API takes, checked in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import checkpoint_policies as cp
+from ._errors import CheckpointTypeError, CheckpointValueError, describe
+
+#: The keyword options every checkpointing API accepts.
+OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How a checkpoint runs (see :func:`xla_wrap.checkpoint` for each option).
+
+    Attributes:
+        preserve_rng_state: Replay the random generators in the recomputation.
+        use_reentrant: Which engine runs: True for the reentrant one, False for the
+            non-reentrant one (needed by save policies and ``torch.autograd.grad``).
+        policy: The save policy of the non-reentrant engine; None recomputes everything.
+        offload_to_cpu: Keep what the checkpoint saves in host memory.
+    """
+
+    preserve_rng_state: bool = True
+    use_reentrant: bool = True
+    policy: cp.SavePolicy | None = None
+    offload_to_cpu: bool = False
+
+
+def make_options(
+    api: str,
+    *,
+    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+    policy: cp.SavePolicy | str | None = None,
+    offload_to_cpu: bool = False,
+) -> CheckpointOptions:
+    """Check the options once, for every API that takes them, and choose the engine.
+
+    The reentrant engine is the default (docs/policies.md has the measurements behind that);
+    a save policy selects the non-reentrant one, which alone can apply it.
+    """
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise CheckpointTypeError(
+            f"{api}: expected True, False or None as `use_reentrant`, got "
+            f"{describe(use_reentrant)}."
+        )
+    resolved = None if policy is None else cp.resolve(api, policy)
+    if resolved is cp.nothing_saveable:
+        resolved = None
+    if use_reentrant is True and resolved is not None:
+        raise CheckpointValueError(
+            f"{api}: a save policy needs the non-reentrant engine, got use_reentrant=True with "
+            f"policy={getattr(resolved, '__qualname__', resolved)}. Pass use_reentrant=False, "
+            "or omit it."
+        )
+    if offload_to_cpu:
+        raise NotImplementedError(
+            f"{api}: offload_to_cpu=True is not available yet. Pass offload_to_cpu=False; "
+            "activations are then recomputed instead of kept on the host."
+        )
+    return CheckpointOptions(
+        preserve_rng_state=bool(preserve_rng_state),
+        use_reentrant=resolved is None if use_reentrant is None else use_reentrant,
+        policy=resolved,
+        offload_to_cpu=False,
+    )

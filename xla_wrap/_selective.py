@@ -1,0 +1,230 @@
+"""Applying a save policy to a checkpointed forward, and :func:`checkpoint_name`.
+
+In the forward a ``TorchFunctionMode`` sees each torch function the block calls. Every call
+that returns a differentiable tensor, and every :func:`checkpoint_name` tag, is an *occurrence*;
+the policy decides per occurrence whether its value is kept. In the recomputation the same
+calls come in the same order: each still runs (so autograd saves the same tensors as in the
+forward), but a kept occurrence hands the kept value, taken through the barrier, to the rest of
+the block. On XLA the recomputed value then has no reader and the compiler drops the work that
+made it; that is where the saving in compute comes from.
+
+The mode works above autograd, on the functions the block calls. A ``TorchDispatchMode`` (what
+PyTorch's selective checkpointing uses) would see the functionalized inner tensors on XLA
+instead. Nested checkpoints each apply their own policy: a selection acts only while its own
+checkpoint is the innermost one running.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import checkpoint_policies as cp
+from ._errors import CheckpointError, CheckpointTypeError, describe
+from ._tree import Flat
+
+_local = threading.local()
+
+
+@contextmanager
+def active(selection: Selection | None) -> Iterator[None]:
+    """Make ``selection`` the innermost running one (``None`` hides the outer ones)."""
+    stack: list[Selection | None] = _local.__dict__.setdefault("stack", [])
+    stack.append(selection)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _current() -> Selection | None:
+    stack: list[Selection | None] = getattr(_local, "stack", [])
+    return stack[-1] if stack else None
+
+
+class Selection:
+    """The policy's decisions for one checkpointed call, and the values it kept."""
+
+    def __init__(self, api: str, policy: cp.SavePolicy) -> None:
+        self.api = api
+        self.policy = policy
+        self.functions: list[str] = []  # per occurrence: what computed it
+        self.kept_at: dict[int, tuple[int, int]] = {}  # occurrence -> (first kept, how many)
+        self.kept: list[torch.Tensor] = []
+        self.decisions: list[cp.Decision] = []  # per kept tensor: SAVE or OFFLOAD
+        self._versions: list[int] = []
+        self._substitutes: Sequence[torch.Tensor] | None = None
+        self._count = 0
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Run the forward: decide per occurrence and keep what the policy selects."""
+        self._count, self._substitutes = 0, None
+        with active(self), _Mode(self):
+            yield
+
+    @contextmanager
+    def substituting(self, kept: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Run the recomputation: kept occurrences hand out ``kept`` (barriered copies)."""
+        self._count, self._substitutes = 0, kept
+        try:
+            with active(self), _Mode(self):
+                yield
+        finally:
+            self._substitutes = None
+
+    def take_kept(self) -> list[torch.Tensor]:
+        """The kept values, once the forward is done; refuses values it modified since."""
+        for index, (tensor, version) in enumerate(zip(self.kept, self._versions, strict=True)):
+            if tensor._version != version:
+                occurrence = next(o for o, (s, n) in self.kept_at.items() if s <= index < s + n)
+                raise CheckpointError(
+                    f"{self.api}: the policy kept the output of `{self.functions[occurrence]}` "
+                    f"(occurrence {occurrence} of the forward), and the block modified it in place "
+                    "afterwards, so backward would read the modified value. Make the later "
+                    "operation out-of-place, or use a policy that does not keep this value."
+                )
+        kept, self.kept, self._versions = self.kept, [], []
+        return kept
+
+    def on_value(self, function: str, name: str | None, value: Any) -> Any:
+        flat = Flat.of(value)
+        tensors = flat.tensors
+        if name is None and not _is_candidate(function, tensors):
+            return value
+        occurrence = self._count
+        self._count += 1
+        if self._substitutes is None:
+            self._record(occurrence, function, name, tensors)
+            return value
+        if occurrence >= len(self.functions) or self.functions[occurrence] != function:
+            expected = (
+                f"`{self.functions[occurrence]}`"
+                if occurrence < len(self.functions)
+                else "nothing more"
+            )
+            raise CheckpointError(
+                f"{self.api}: the recomputation in backward called `{function}` as operation "
+                f"{occurrence}, where the forward called {expected}. A checkpointed callable "
+                "must compute the same thing when run again on the same inputs; branch on "
+                "`xla_wrap.is_recomputing()` only for side effects."
+            )
+        slot = self.kept_at.get(occurrence)
+        if slot is None:
+            return value
+        start, count = slot
+        substitutes = [
+            s.detach().requires_grad_(t.requires_grad)
+            for s, t in zip(self._substitutes[start : start + count], tensors, strict=True)
+        ]
+        return flat.rebuild(substitutes)
+
+    def _record(
+        self, occurrence: int, function: str, name: str | None, tensors: Sequence[torch.Tensor]
+    ) -> None:
+        self.functions.append(function)
+        op = cp.Op(
+            function=function,
+            name=name,
+            shapes=tuple(tuple(t.shape) for t in tensors),
+            nbytes=sum(t.numel() * t.element_size() for t in tensors),
+        )
+        decision = cp.decide(self.policy, op)
+        if decision is cp.Decision.RECOMPUTE:
+            return
+        self.kept_at[occurrence] = (len(self.kept), len(tensors))
+        for tensor in tensors:
+            self.kept.append(tensor.detach())
+            self._versions.append(tensor._version)
+            self.decisions.append(decision)
+
+
+def _is_candidate(function: str, tensors: Sequence[torch.Tensor]) -> bool:
+    """An operation a policy decides on: it returns differentiable tensors, none of them a view
+    (free to recompute), and it is not in-place (its output is its input, changed)."""
+    if not tensors or not any(t.requires_grad for t in tensors):
+        return False
+    if function.endswith("_") and not function.endswith("__"):
+        return False
+    return not any(t._is_view() for t in tensors)
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, selection: Selection) -> None:
+        super().__init__()
+        self.selection = selection
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _current() is not self.selection:
+            return out  # a nested checkpoint's operation, or xla_wrap's own machinery
+        return self.selection.on_value(_function_name(func), None, out)
+
+
+def _function_name(func: Any) -> str:
+    """``linear`` for F.linear, ``matmul`` for ``a @ b``, ``add`` for ``Tensor.__radd__``."""
+    name: str = getattr(func, "__name__", type(func).__name__)
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name.startswith(("r", "i")) and name[1:] in _BINARY_DUNDERS:
+            name = name[1:]
+    return name
+
+
+_BINARY_DUNDERS = {"add", "sub", "mul", "matmul", "truediv", "floordiv", "pow", "mod", "and", "or"}
+
+
+def checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Tag ``tensor`` with ``name`` so that a save policy can keep it by name.
+
+    Inside a checkpointed call whose policy keeps ``name`` (for example
+    ``checkpoint_policies.save_only_these_names(name)``), the value is kept from the forward
+    and the recomputation reads it instead of recomputing it. Elsewhere this returns ``tensor``
+    unchanged, so tagged code runs the same with or without checkpointing.
+
+    Args:
+        tensor: The value to tag.
+        name: The name a policy refers to.
+
+    Returns:
+        ``tensor`` (in a recomputation: the kept value, if the policy kept it).
+
+    Raises:
+        CheckpointTypeError: If ``tensor`` is not a tensor or ``name`` not a string.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> from xla_wrap import checkpoint_policies as cp
+        >>> def block(x):
+        ...     h = xla_wrap.checkpoint_name(torch.tanh(x) * 3, "h")
+        ...     return h.sin()
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> y = xla_wrap.checkpoint(block, x, policy=cp.save_only_these_names("h"))
+        >>> y.sum().backward()
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointTypeError(
+            f"xla_wrap.checkpoint_name: expected a tensor to tag, got {describe(tensor)} "
+            f"(name {name!r}). Tag the tensor that the value is held in."
+        )
+    if not isinstance(name, str):
+        raise CheckpointTypeError(
+            f"xla_wrap.checkpoint_name: expected a string as `name`, got {describe(name)}. "
+            "Pass the name your policy keeps, as in `checkpoint_name(h, 'attn_out')`."
+        )
+    selection = _current()
+    if selection is None:
+        return tensor
+    result: torch.Tensor = selection.on_value("checkpoint_name", name, tensor)
+    return result
