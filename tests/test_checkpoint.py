@@ -400,11 +400,6 @@ def test_checkpoint_sequential_checkpoints_all_but_the_last_segment() -> None:
         (lambda: xla_wrap.checkpoint(3, torch.ones(1)), TypeError, "expected a callable"),
         (lambda: xla_wrap.checkpoint_wrapper(lambda x: x), TypeError, "expected an nn.Module"),
         (
-            lambda: xla_wrap.checkpoint_wrapper(nn.Linear(2, 2), offload_to_cpu=True),
-            NotImplementedError,
-            "offload_to_cpu=False",
-        ),
-        (
             lambda: xla_wrap.checkpoint(nn.Linear(2, 2), torch.ones(2), use_reentrant="no"),
             TypeError,
             "use_reentrant",

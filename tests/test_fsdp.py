@@ -133,8 +133,8 @@ class Recorder(nn.Module):
 
 
 def test_auto_wrapper_callable_builds_fsdp_around_a_checkpoint_wrapper() -> None:
-    with pytest.raises(NotImplementedError, match=r"^xla_wrap.fsdp.auto_wrapper_callable"):
-        fsdp.auto_wrapper_callable(fsdp_class=Recorder, offload_to_cpu=True)
+    with pytest.raises(ValueError, match=r"^xla_wrap.fsdp.auto_wrapper_callable: unknown policy"):
+        fsdp.auto_wrapper_callable(fsdp_class=Recorder, policy="dot_saveable")
     build = fsdp.auto_wrapper_callable(fsdp_class=Recorder, preserve_rng_state=False)
     linear = nn.Linear(2, 2)
     unit = build(linear, 1, compute_dtype=torch.float32)

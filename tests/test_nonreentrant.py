@@ -174,3 +174,17 @@ def test_xla_gradients_through_autograd_grad_match_unwrapped(xla_device: torch.d
     expected = grads(block)
     for a, b in zip(expected, grads(lambda t: checkpoint(block, t)), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_inputs_are_released_after_backward_while_the_loss_lives(use_reentrant: bool) -> None:
+    import weakref
+
+    block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    x = torch.randn(BATCH, WIDTH) * 1.0  # a non-leaf, as an activation would be
+    alive = weakref.ref(x)
+    loss = xla_wrap.checkpoint(block, x, use_reentrant=use_reentrant).sum()
+    loss.backward()
+    del x
+    # On XLA, a tensor kept alive with the loss becomes an output of every step.
+    assert alive() is None and loss.grad_fn is not None

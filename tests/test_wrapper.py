@@ -240,8 +240,8 @@ def test_apply_checks_options_before_wrapping_anything() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"apply_activation_checkpointing: expected wrapper opt"):
         xla_wrap.apply_activation_checkpointing(model, lambda m: False, bogus=1)
-    with pytest.raises(NotImplementedError, match="offload_to_cpu"):
-        xla_wrap.apply_activation_checkpointing(model, lambda m: False, offload_to_cpu=True)
+    with pytest.raises(ValueError, match=r"apply_activation_checkpointing: unknown policy"):
+        xla_wrap.apply_activation_checkpointing(model, lambda m: False, policy="dot_saveable")
     assert isinstance(model[0], nn.Linear)
 
 

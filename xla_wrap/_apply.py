@@ -46,8 +46,8 @@ def apply_activation_checkpointing(
     Raises:
         CheckpointTypeError: If ``model`` is not an ``nn.Module``, ``check_fn`` is not
             callable, or an option is unknown.
-        CheckpointValueError: If a policy selects ``model`` itself.
-        NotImplementedError: If ``offload_to_cpu`` is True (not available yet).
+        CheckpointValueError: If a wrap policy selects ``model`` itself, or the save
+            ``policy`` among the options is unknown.
 
     Example:
         >>> import torch, xla_wrap

@@ -41,6 +41,7 @@ def run_checkpointed(
         inputs=inputs,
         owners=ModuleTensors.of(owners),
         preserve_rng_state=options.preserve_rng_state,
+        offload_to_cpu=options.offload_to_cpu,
     )
     tensors = (*inputs.tensors, *call.owners.params)
     _xla.warn_if_barriers_stripped(tensors)
@@ -96,6 +97,7 @@ def checkpoint(
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
     policy: cp.SavePolicy | str | None = None,
+    offload_to_cpu: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in
@@ -121,6 +123,10 @@ def checkpoint(
             :mod:`xla_wrap.checkpoint_policies` (or its name, like ``"dots_saveable"``) or any
             callable taking a :class:`~xla_wrap.checkpoint_policies.Op`. None recomputes
             everything.
+        offload_to_cpu: Keep what the checkpoint saves (its inputs, and the values a policy
+            keeps) in host memory until backward: pinned memory on CUDA, host-placement
+            annotations inside the compiled program on XLA TPU and GPU (docs/offload.md). On
+            XLA:CPU the values stay on the device, with a warning.
         **kwargs: Keyword arguments for ``function``.
 
     Returns:
@@ -153,6 +159,7 @@ def checkpoint(
         preserve_rng_state=preserve_rng_state,
         use_reentrant=use_reentrant,
         policy=policy,
+        offload_to_cpu=offload_to_cpu,
     )
     function, args, kwargs = _unpartial(function, args, kwargs)
     return run_checkpointed(
@@ -173,6 +180,7 @@ def checkpoint_sequential(
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
     policy: cp.SavePolicy | str | None = None,
+    offload_to_cpu: bool = False,
 ) -> Any:
     """Run a sequence of callables in ``segments`` chunks, checkpointing all but the last chunk.
 
@@ -187,6 +195,7 @@ def checkpoint_sequential(
         preserve_rng_state: As for :func:`checkpoint`.
         use_reentrant: As for :func:`checkpoint`.
         policy: As for :func:`checkpoint`.
+        offload_to_cpu: As for :func:`checkpoint`.
 
     Returns:
         The output of the last callable.
@@ -230,7 +239,11 @@ def checkpoint_sequential(
             f"{segments}. Choose fewer segments or pass more layers."
         )
     options = make_options(
-        api, preserve_rng_state=preserve_rng_state, use_reentrant=use_reentrant, policy=policy
+        api,
+        preserve_rng_state=preserve_rng_state,
+        use_reentrant=use_reentrant,
+        policy=policy,
+        offload_to_cpu=offload_to_cpu,
     )
 
     def run(chunk: list[Any]) -> Callable[[Any], Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _xla
+from . import _offload, _xla
 from ._errors import CheckpointError
 from ._recompute import (
     CheckpointCall,
@@ -41,7 +41,8 @@ class CheckpointFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         inputs = tensors[: len(call.inputs.tensor_positions)]
         ctx.call = call
-        ctx.save_for_backward(*inputs)
+        saved, ctx.offload_devices = _offload.to_host(inputs, [call.offload_to_cpu] * len(inputs))
+        ctx.save_for_backward(*saved)
         # The forward may update buffers in place (BatchNorm statistics, EMAs); the
         # recomputation must read them as the forward did. On XLA the copy shares the lazy
         # value and costs nothing until the buffer changes.
@@ -78,12 +79,14 @@ class CheckpointFunction(torch.autograd.Function):
                 "`loss.backward()` and read `.grad`."
             )
         present = [i for i, g in enumerate(grads) if g is not None]
+        inputs = _offload.to_device(ctx.saved_tensors, ctx.offload_devices)
         copies = barrier_for_recompute(
-            call, ctx.saved_tensors, [g for g in grads if g is not None], ctx.buffers
+            call,
+            inputs,
+            ctx.needs_input_grad[2 : 2 + len(inputs)],  # (call, anchor, *inputs, *params)
+            [g for g in grads if g is not None],
+            ctx.buffers,
         )
-        # needs_input_grad: (call, anchor, *inputs, *params)
-        for copy, needs_grad in zip(copies.inputs, ctx.needs_input_grad[2:], strict=False):
-            copy.requires_grad_(needs_grad)
         with replaying(call, copies):
             recomputed = Flat.of(call.run(copies.inputs))
 

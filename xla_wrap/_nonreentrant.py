@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _selective, _xla
+from . import _offload, _selective, _xla
 from . import checkpoint_policies as cp
 from ._errors import CheckpointError
 from ._recompute import (
@@ -61,13 +61,21 @@ def run_nonreentrant(call: CheckpointCall, policy: cp.SavePolicy | None) -> Any:
             value = call.run(inputs)
         outputs = Flat.of(value)
         check_inputs_unchanged(call, inputs, versions)
+        # From here on the inputs live in the gate's saved tensors only: held by the call, they
+        # would live as long as the graph (an output of every XLA step that keeps the loss).
+        call.inputs = call.inputs.without_tensors()
         kept = selection.take_kept() if selection else []
         gated = [i for i, t in enumerate(outputs.tensors) if t.requires_grad]
         if not gated:
             return value
         # Indexed like the gate's outputs, as record_output_sharding finds them.
         call.output_shardings = [_xla.sharding(outputs.tensors[i]) for i in gated]
-        frame.to_save = (inputs, kept, buffers)
+        offload = [call.offload_to_cpu] * len(inputs) + [
+            call.offload_to_cpu or decision is cp.Decision.OFFLOAD
+            for decision in (selection.decisions if selection else [])
+        ]
+        frame.inputs_require_grad = [t.requires_grad for t in inputs]
+        frame.to_save = ([*inputs, *kept], offload, len(inputs), buffers)
         through = _OutputGate.apply(frame, *(outputs.tensors[i] for i in gated))
     tensors = list(outputs.tensors)
     for i, tensor in zip(gated, through, strict=True):
@@ -120,7 +128,9 @@ class _Frame:
         self.saved: list[_SavedMeta] = []
         # per backward (graph task id): position in `saved` -> recomputed tensor
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
-        self.to_save: tuple[Sequence[torch.Tensor], ...] | None = None
+        self.inputs_require_grad: list[bool] = []
+        # (inputs and kept values, which to offload, how many are inputs, buffers)
+        self.to_save: tuple[list[torch.Tensor], list[bool], int, list[torch.Tensor]] | None = None
 
     def pack(self, tensor: torch.Tensor) -> _Placeholder:
         self.saved.append(_SavedMeta.of(tensor))
@@ -135,7 +145,7 @@ class _Frame:
     ) -> list[torch.Tensor]:
         """Recompute what the block's graph saved, behind the barrier; the barriered grads."""
         call = self.call
-        copies = barrier_for_recompute(call, inputs, grads, buffers, kept)
+        copies = barrier_for_recompute(call, inputs, self.inputs_require_grad, grads, buffers, kept)
         if not self.saved:
             return copies.grads
         store: dict[int, torch.Tensor] = {}
@@ -211,15 +221,14 @@ class _OutputGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, frame: _Frame, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         assert frame.to_save is not None
-        inputs, kept, buffers = frame.to_save
+        residuals, offload, ctx.split, ctx.buffers = frame.to_save
         frame.to_save = None
         ctx.frame = frame
         ctx.call = frame.call  # lets record_output_sharding find this checkpoint
-        ctx.split = len(inputs)
-        ctx.buffers = buffers
+        saved, ctx.offload_devices = _offload.to_host(residuals, offload)
         # Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
         # checkpoint swaps them for placeholders of its own.
-        ctx.save_for_backward(*inputs, *kept)
+        ctx.save_for_backward(*saved)
         ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in outputs)
 
@@ -227,7 +236,7 @@ class _OutputGate(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         frame: _Frame = ctx.frame
-        saved = ctx.saved_tensors
+        saved = _offload.to_device(ctx.saved_tensors, ctx.offload_devices)
         present = [i for i, g in enumerate(grads) if g is not None]
         with _selective.active(None):
             copies = frame.recompute(

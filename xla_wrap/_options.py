@@ -56,14 +56,9 @@ def make_options(
             f"policy={getattr(resolved, '__qualname__', resolved)}. Pass use_reentrant=False, "
             "or omit it."
         )
-    if offload_to_cpu:
-        raise NotImplementedError(
-            f"{api}: offload_to_cpu=True is not available yet. Pass offload_to_cpu=False; "
-            "activations are then recomputed instead of kept on the host."
-        )
     return CheckpointOptions(
         preserve_rng_state=bool(preserve_rng_state),
         use_reentrant=resolved is None if use_reentrant is None else use_reentrant,
         policy=resolved,
-        offload_to_cpu=False,
+        offload_to_cpu=bool(offload_to_cpu),
     )

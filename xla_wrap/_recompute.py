@@ -40,6 +40,7 @@ class CheckpointCall:
     inputs: Flat  # flattened (args, kwargs)
     owners: ModuleTensors
     preserve_rng_state: bool
+    offload_to_cpu: bool = False
     rng: _rng.RngSnapshot | None = None
     autocast: _autocast.AutocastSnapshot | None = None
     outputs: Flat | None = field(default=None, repr=False)
@@ -70,6 +71,7 @@ class Barriered:
 def barrier_for_recompute(
     call: CheckpointCall,
     inputs: Sequence[torch.Tensor],
+    inputs_require_grad: Sequence[bool],
     grads: Sequence[torch.Tensor],
     buffers: Sequence[torch.Tensor],
     kept: Sequence[torch.Tensor] = (),
@@ -81,7 +83,9 @@ def barrier_for_recompute(
     need no pre-barrier copy); parameters and buffers are copied (module state stays). Under
     SPMD, inputs that are program inputs (data, masks) are copied too: rewritten, they would
     come out of the step with another sharding and recompile the next one. The copies of inputs
-    and parameters require grad as the originals do, so the recomputation builds the same graph.
+    require grad as ``inputs_require_grad`` says (as the forward's inputs did: a saved input
+    brought back from the host does not), and those of parameters as the parameters do, so the
+    recomputation builds the same graph.
     """
     params = call.owners.params
     spmd = _xla.spmd_active()
@@ -97,8 +101,8 @@ def barrier_for_recompute(
         groups.append(copies[:size])
         copies = copies[size:]
     input_copies, kept_copies, grad_copies, param_copies, buffer_copies = groups
-    for copy, original in zip(input_copies, inputs, strict=True):
-        copy.requires_grad_(original.requires_grad)
+    for copy, requires_grad in zip(input_copies, inputs_require_grad, strict=True):
+        copy.requires_grad_(requires_grad)
     for copy, param in zip(param_copies, params, strict=True):
         copy.requires_grad_(param.requires_grad)
     # The recomputation may update buffers in place (BatchNorm statistics); it gets its own

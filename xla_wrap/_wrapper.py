@@ -159,8 +159,8 @@ def checkpoint_wrapper(
         use_reentrant: The engine, as for :func:`xla_wrap.checkpoint`.
         policy: A save policy (:mod:`xla_wrap.checkpoint_policies`), as for
             :func:`xla_wrap.checkpoint`.
-        offload_to_cpu: Keep saved inputs in host memory. Not available yet: ``True`` raises
-            ``NotImplementedError``.
+        offload_to_cpu: Keep what the checkpoint saves in host memory until backward, as for
+            :func:`xla_wrap.checkpoint`.
 
     Returns:
         The wrapper.
@@ -169,7 +169,6 @@ def checkpoint_wrapper(
         CheckpointTypeError: If ``module`` is not an ``nn.Module``.
         CheckpointValueError: If ``module`` is already wrapped with other options, or
             ``policy`` is unknown or given with ``use_reentrant=True``.
-        NotImplementedError: If ``offload_to_cpu`` is True.
 
     Example:
         >>> import torch, xla_wrap

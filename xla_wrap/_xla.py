@@ -201,6 +201,33 @@ def xla_fsdp_class() -> type:
     return fsdp
 
 
+# Backends whose compiler executes torch_xla's host-placement annotations. XLA:CPU aborts the
+# process on them (FIELD-NOTES.md: `free(): invalid size`).
+_HOST_OFFLOAD_DEVICE_TYPES = {"TPU", "CUDA", "GPU"}
+
+
+def host_offload_supported() -> bool:
+    """Whether this process's XLA backend can keep values in host memory inside a program."""
+    runtime = _loaded("torch_xla.runtime")
+    return runtime is not None and runtime.device_type().upper() in _HOST_OFFLOAD_DEVICE_TYPES
+
+
+def place_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` annotated to live in pinned host memory (``annotate_device_placement``)."""
+    from torch_xla.experimental import stablehlo_custom_call  # registers torch.ops.xla.*
+
+    del stablehlo_custom_call
+    return torch.ops.xla.place_to_host(tensor)
+
+
+def place_to_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A value placed by :func:`place_to_host`, annotated back to device memory."""
+    from torch_xla.experimental import stablehlo_custom_call
+
+    del stablehlo_custom_call
+    return torch.ops.xla.place_to_device(tensor)
+
+
 def barrier_stripping_active(device_type: str, xla_flags: str | None = None) -> bool:
     """Whether XLA will delete optimization barriers before CSE on this backend.
 

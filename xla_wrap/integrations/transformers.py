@@ -48,14 +48,13 @@ def gradient_checkpointing_enable(
         model: A transformers ``PreTrainedModel`` whose class supports gradient checkpointing.
         every_n_layers: Checkpoint one layer in this many (1: all of them).
         **checkpoint_options: Options of :func:`xla_wrap.checkpoint_wrapper`
-            (``preserve_rng_state``, ``use_reentrant``, ``policy``).
+            (``preserve_rng_state``, ``use_reentrant``, ``policy``, ``offload_to_cpu``).
 
     Raises:
         ImportError: If transformers is not installed.
         CheckpointTypeError: If ``model`` is not a ``PreTrainedModel`` or an option is unknown.
         CheckpointValueError: If the model does not support gradient checkpointing, or
             ``every_n_layers`` is not a positive integer.
-        NotImplementedError: If ``offload_to_cpu=True`` (not available yet).
     """
     api = "xla_wrap.integrations.transformers.gradient_checkpointing_enable"
     _check_model(api, model)
@@ -80,6 +79,7 @@ def gradient_checkpointing_enable(
         preserve_rng_state=options.preserve_rng_state,
         use_reentrant=options.use_reentrant,
         policy=options.policy,
+        offload_to_cpu=options.offload_to_cpu,
     )
     pretrained: Any = model  # a PreTrainedModel, checked above
     pretrained._set_gradient_checkpointing(
