@@ -10,7 +10,8 @@ recomputes behind the barrier of :mod:`._recompute` (inputs, values a policy kep
 parameters, buffers). It hands the barriered gradients on to the block's graph, whose nodes then
 read recomputed values only: everything backward does for the block comes after the barrier.
 
-The recomputation stops as soon as the last saved tensor exists, and each tensor it makes is
+On eager devices the recomputation stops as soon as the last saved tensor exists (on XLA the
+rest is dead code the compiler drops anyway), and each tensor it makes is
 checked against the one the forward saved at the same position (shape, dtype), so a block that
 computes something else when run again fails with the first difference instead of a wrong
 gradient. Nested checkpoints work because the gate saves the block's inputs and kept values
@@ -149,6 +150,10 @@ class _Frame:
         if not self.saved:
             return copies.grads
         store: dict[int, torch.Tensor] = {}
+        # Stop early on eager devices only. On XLA the rest of the block is dead code that the
+        # compiler drops, and stopping would leave wrappers inside the block mid-forward (XLA
+        # FSDP's state machine then refuses the next backward hook).
+        on_xla = any(_xla.is_xla_tensor(t) for t in copies.inputs + copies.params)
 
         def pack(tensor: torch.Tensor) -> int:
             index = len(store)
@@ -163,7 +168,7 @@ class _Frame:
                     f"{expected}",
                 )
             store[index] = tensor.detach()
-            if len(store) == len(self.saved):
+            if len(store) == len(self.saved) and not on_xla:
                 raise _StopRecomputation(self)
             return index
 

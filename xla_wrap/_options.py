@@ -7,6 +7,12 @@ from dataclasses import dataclass
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 
+# The engine when the caller does not choose: the reentrant one. On XLA both engines give the
+# same program (docs/policies.md has the figures); the reentrant one runs the whole block again
+# on every device, so module hooks and side effects in the recomputation happen as in 0.1, and
+# the non-reentrant one is chosen by passing use_reentrant=False or a save policy.
+DEFAULT_REENTRANT = True
+
 #: The keyword options every checkpointing API accepts.
 OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
 
@@ -24,7 +30,7 @@ class CheckpointOptions:
     """
 
     preserve_rng_state: bool = True
-    use_reentrant: bool = True
+    use_reentrant: bool = DEFAULT_REENTRANT
     policy: cp.SavePolicy | None = None
     offload_to_cpu: bool = False
 
@@ -39,8 +45,8 @@ def make_options(
 ) -> CheckpointOptions:
     """Check the options once, for every API that takes them, and choose the engine.
 
-    The reentrant engine is the default (docs/policies.md has the measurements behind that);
-    a save policy selects the non-reentrant one, which alone can apply it.
+    The reentrant engine is the default (:data:`DEFAULT_REENTRANT`); a save policy selects the
+    non-reentrant one, which alone can apply it.
     """
     if use_reentrant is not None and not isinstance(use_reentrant, bool):
         raise CheckpointTypeError(
@@ -58,7 +64,9 @@ def make_options(
         )
     return CheckpointOptions(
         preserve_rng_state=bool(preserve_rng_state),
-        use_reentrant=resolved is None if use_reentrant is None else use_reentrant,
+        use_reentrant=(DEFAULT_REENTRANT and resolved is None)
+        if use_reentrant is None
+        else use_reentrant,
         policy=resolved,
         offload_to_cpu=bool(offload_to_cpu),
     )
