@@ -117,7 +117,7 @@ def test_policy_sees_functions_names_and_shapes() -> None:
         ("linear", None),
         ("checkpoint_name", "fc1"),
         ("tanh", None),
-        ("dropout", None),
+        # no ("dropout", None): in eval mode it returns its input, which is not offered
         ("linear", None),
         ("checkpoint_name", "fc2"),
         ("tanh", None),
@@ -131,16 +131,74 @@ def test_checkpoint_name_outside_a_checkpoint_returns_the_tensor() -> None:
     assert xla_wrap.checkpoint_name(x, "anything") is x
 
 
-def test_kept_value_modified_in_place_afterwards_is_refused() -> None:
+def _grads_of(function: Any, x: torch.Tensor, **options: Any) -> torch.Tensor:
+    x = x.detach().requires_grad_()
+    out = function(x) if not options else xla_wrap.checkpoint(function, x, **options)
+    (out**2).sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def test_kept_values_modified_in_place_or_returned_are_recomputed_instead() -> None:
+    torch.manual_seed(0)
     linear = nn.Linear(WIDTH, WIDTH)
 
-    def block(x: torch.Tensor) -> torch.Tensor:
+    def block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = linear(x)
-        h.mul_(2)
-        return h.tanh()
+        h.mul_(2)  # the kept product changes after the policy saw it
+        return h.tanh(), linear(h)  # the second product is returned as it is
 
-    with pytest.raises(xla_wrap.CheckpointError, match=r"kept the output of `linear`.*in place"):
-        xla_wrap.checkpoint(block, torch.randn(BATCH, WIDTH), policy=cp.dots_saveable)
+    x = torch.randn(BATCH, WIDTH)
+    out = xla_wrap.checkpoint(block, x.requires_grad_(), policy=cp.dots_saveable)
+    out[1].add_(1)  # legal on a plain output; a kept alias of it would fail in backward
+    (out[0].sum() + out[1].sum()).backward()
+    expected = x.grad
+    x.grad = None
+    plain = block(x)
+    plain[1].add_(1)
+    (plain[0].sum() + plain[1].sum()).backward()
+    assert torch.equal(x.grad, expected)
+    residuals = introspect.saved_residuals(
+        lambda t: xla_wrap.checkpoint(block, t, policy=cp.dots_saveable), x
+    )
+    assert [r.kind for r in residuals] == ["input"]  # neither product is kept
+
+
+def test_an_input_that_is_a_view_and_ops_returning_their_input_keep_occurrences_aligned() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def rms_norm_then_product(x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32).contiguous()  # both return x itself: x is f32 and contiguous
+        h = xla_wrap.checkpoint_name(h[:, :8], "h").float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)) @ w
+
+    base = torch.randn(2, 4, 4)
+    view = (base.requires_grad_() * 1).view(2, 16)[:, :8]
+    expected = _grads_of(rms_norm_then_product, view)
+    for policy in (cp.dots_saveable, cp.save_only_these_names("h")):
+        assert torch.equal(_grads_of(rms_norm_then_product, view, policy=policy), expected)
+
+
+def test_a_block_catching_exceptions_does_not_swallow_the_early_stop() -> None:
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        try:
+            h = h.exp()  # saves the last tensor: the recomputation stops in here
+        except Exception:  # a fast-path/fallback pattern
+            h = h.cos()
+        return h * 2
+
+    x = torch.randn(3)
+    assert torch.equal(_grads_of(block, x, use_reentrant=False), _grads_of(block, x))
+
+
+def test_wrapping_again_with_an_equal_policy_returns_the_wrapper() -> None:
+    wrapper = xla_wrap.checkpoint_wrapper(nn.Tanh(), policy=cp.save_only_these_names("a", "b"))
+    again = xla_wrap.checkpoint_wrapper(wrapper, policy=cp.save_only_these_names("b", "a"))
+    assert again is wrapper
+    with pytest.raises(xla_wrap.CheckpointValueError, match="already a CheckpointWrapper"):
+        xla_wrap.checkpoint_wrapper(wrapper, policy=cp.save_only_these_names("c"))
 
 
 def test_recomputation_calling_other_functions_is_refused_naming_the_first() -> None:
@@ -236,7 +294,7 @@ def test_hlo_recomputes_exactly_the_products_each_policy_leaves_out(
     blocks = 3
     base = nn.Sequential(*(Mlp() for _ in range(blocks))).to(xla_device)
 
-    def dots(policy: Any, rows: int) -> int:
+    def dots(policy: Any, rows: int) -> tuple[int, float]:
         # Each policy gets its own batch size: policies that keep the same values build the
         # same program, which XLA would otherwise take from its cache without a report.
         x = torch.randn(rows, WIDTH, device=xla_device)
@@ -251,8 +309,13 @@ def test_hlo_recomputes_exactly_the_products_each_policy_leaves_out(
             loss.backward()
             torch_xla.sync()
 
-        return introspect.compiled_memory(step).count("dot")
+        program = introspect.compiled_memory(step)
+        # FLOPs per row: the batch sizes differ, the work per row does not.
+        return program.count("dot"), program.flops / rows
 
-    plain = dots(None, BATCH)
+    plain_dots, plain_flops = dots(None, BATCH)
     for rows, (name, (policy, recomputed)) in enumerate(POLICIES.items(), start=BATCH + 1):
-        assert dots(policy, rows) == plain + recomputed * blocks, name
+        count, flops = dots(policy, rows)
+        assert count == plain_dots + recomputed * blocks, name
+        # fc1 and fc2 cost the same FLOPs: each one recomputed adds 2 * WIDTH * HIDDEN per row.
+        assert flops == plain_flops + recomputed * blocks * 2 * WIDTH * HIDDEN, name

@@ -66,6 +66,25 @@ def test_conv_stack_example_smallest_configuration() -> None:
     assert "gradients equal: yes" in done.stdout
 
 
+@pytest.mark.subprocess
+@pytest.mark.xla
+def test_save_policies_example_smallest_configuration() -> None:
+    pytest.importorskip("torch_xla")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, str(ROOT / "examples" / "save_policies.py")]
+    command += ["--blocks=3", "--dim=32", "--seq=16", "--batch=2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "dots_saveable: compiling and running" in done.stdout  # progress is shown
+    rows = {line[:32].strip(): line[32:].split() for line in done.stdout.splitlines()}
+    peak = {name: float(rows[name][0]) for name in rows if len(rows[name]) == 4}
+    flops = {name: float(rows[name][2].rstrip("x")) for name in peak}
+    assert all(rows[name][3] == "yes" for name in peak)  # same loss and gradients
+    full, dots = "full recomputation", "dots_saveable"
+    assert flops[full] > 1.0 and flops[dots] == 1.0  # keeping the products recomputes none
+    assert peak[full] < peak[dots] < peak["no checkpointing"]
+
+
 @pytest.mark.parametrize(
     ("example", "option"),
     [
@@ -73,6 +92,7 @@ def test_conv_stack_example_smallest_configuration() -> None:
         ("fsdp_transformer.py", "--layers"),
         ("digits_barrier.py", "--epochs"),
         ("hf_llama.py", "--steps"),
+        ("save_policies.py", "--blocks"),
     ],
 )
 def test_example_help_runs_without_starting_xla(example: str, option: str) -> None:

@@ -191,3 +191,29 @@ def test_bad_models_and_options_are_refused_with_what_to_do(
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'xla_wrap\[hf\]'"):
         xla_hf.gradient_checkpointing_enable(gpt2())
+
+
+@pytest.mark.parametrize("make", MODELS)
+def test_transformers_layers_with_a_save_policy_bitwise_on_eager_cpu(
+    make: Callable[[], nn.Module],
+) -> None:
+    torch.manual_seed(0)
+    plain = make().train()
+    plain.config.use_cache = False
+    twin = copy.deepcopy(plain)
+    full = copy.deepcopy(plain)
+    xla_hf.gradient_checkpointing_enable(full)
+    xla_hf.gradient_checkpointing_enable(twin, policy="dots_saveable")
+
+    def activations(model: nn.Module) -> int:
+        saved = xla_wrap.introspect.saved_residuals(lambda i: model(i, labels=i).loss, _ids())
+        return sum(r.kind == "activation" for r in saved)
+
+    # The policy reaches every layer's checkpoint: it keeps the products, which full
+    # checkpointing recomputes.
+    assert activations(twin) > activations(full)
+    plain_loss, plain_grads = _step(plain, _ids())
+    loss, grads = _step(twin, _ids())
+    assert torch.equal(loss, plain_loss)
+    for got, expected in zip(grads, plain_grads, strict=True):
+        assert torch.equal(got, expected)

@@ -238,10 +238,15 @@ def test_apply_leaves_existing_wrappers_and_their_insides_alone() -> None:
 
 def test_apply_checks_options_before_wrapping_anything() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(TypeError, match=r"apply_activation_checkpointing: expected wrapper opt"):
+    with pytest.raises(
+        TypeError, match=r"apply_activation_checkpointing: expected checkpoint options among"
+    ):
         xla_wrap.apply_activation_checkpointing(model, lambda m: False, bogus=1)
     with pytest.raises(ValueError, match=r"apply_activation_checkpointing: unknown policy"):
         xla_wrap.apply_activation_checkpointing(model, lambda m: False, policy="dot_saveable")
+    # A wrongly typed option is named as such, not as an unknown option.
+    with pytest.raises(TypeError, match=r"expected a policy .* got int 42"):
+        xla_wrap.apply_activation_checkpointing(model, lambda m: False, policy=42)
     assert isinstance(model[0], nn.Linear)
 
 

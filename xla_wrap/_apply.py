@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
-from ._options import OPTION_NAMES, make_options
+from ._options import options_from
 from ._wrapper import CheckpointWrapper, refuse_eager_fsdp_unit
 from .fsdp import format_units, fsdp_units
 from .wrap import Policy
@@ -69,13 +69,7 @@ def apply_activation_checkpointing(
             f"got {describe(check_fn)}. Example: `check_fn=lambda m: isinstance(m, Block)` or "
             "`xla_wrap.wrap.by_type(Block)`."
         )
-    try:
-        options = make_options(api, **wrapper_options)
-    except TypeError:
-        raise CheckpointTypeError(
-            f"{api}: expected wrapper options among {', '.join(OPTION_NAMES)}, got "
-            f"{sorted(wrapper_options)}. Pass only those, as keywords."
-        ) from None
+    options = options_from(api, wrapper_options)
     if isinstance(check_fn, Policy):
         check_fn = _resolved(api, check_fn, model)
     replacement: dict[int, nn.Module] = {}

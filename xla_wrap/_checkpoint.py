@@ -118,7 +118,8 @@ def checkpoint(
             ``loss.backward()`` only. ``False``: the block records its graph but saves
             placeholders, recomputes them behind the barrier before its graph runs, and stops
             once they exist; supports ``torch.autograd.grad`` and save policies. ``None``
-            (default): reentrant, unless ``policy`` is given (docs/policies.md).
+            (default): reentrant, unless a ``policy`` other than ``nothing_saveable`` is given
+            (docs/policies.md).
         policy: What to keep instead of recomputing: a function of
             :mod:`xla_wrap.checkpoint_policies` (or its name, like ``"dots_saveable"``) or any
             callable taking a :class:`~xla_wrap.checkpoint_policies.Op`. None recomputes
@@ -133,7 +134,7 @@ def checkpoint(
         What ``function`` returns.
 
     Raises:
-        CheckpointTypeError: If ``function`` is not callable.
+        CheckpointTypeError: If ``function`` or ``policy`` is not callable.
         CheckpointValueError: If ``policy`` is unknown or given with ``use_reentrant=True``.
         CheckpointError: In backward, if the recomputation computes something else than the
             forward did (the first different output or saved tensor is named), or if the

@@ -65,7 +65,7 @@ def run_nonreentrant(call: CheckpointCall, policy: cp.SavePolicy | None) -> Any:
         # From here on the inputs live in the gate's saved tensors only: held by the call, they
         # would live as long as the graph (an output of every XLA step that keeps the loss).
         call.inputs = call.inputs.without_tensors()
-        kept = selection.take_kept() if selection else []
+        kept = selection.take_kept(outputs.tensors) if selection else []
         gated = [i for i, t in enumerate(outputs.tensors) if t.requires_grad]
         if not gated:
             return value
@@ -76,6 +76,9 @@ def run_nonreentrant(call: CheckpointCall, policy: cp.SavePolicy | None) -> Any:
             for decision in (selection.decisions if selection else [])
         ]
         frame.inputs_require_grad = [t.requires_grad for t in inputs]
+        frame.on_xla = any(
+            _xla.is_xla_tensor(t) for t in (*inputs, *call.owners.params, *outputs.tensors)
+        )
         frame.to_save = ([*inputs, *kept], offload, len(inputs), buffers)
         through = _OutputGate.apply(frame, *(outputs.tensors[i] for i in gated))
     tensors = list(outputs.tensors)
@@ -112,8 +115,9 @@ class _Placeholder:
         self.index = index
 
 
-class _StopRecomputation(Exception):
-    """Raised by the recomputation's pack hook once the last saved tensor exists."""
+class _StopRecomputation(BaseException):
+    """Raised by the recomputation's pack hook once the last saved tensor exists. Not an
+    ``Exception``: a block's own ``except Exception`` fallback must not swallow it."""
 
     def __init__(self, frame: _Frame) -> None:
         super().__init__()
@@ -130,6 +134,7 @@ class _Frame:
         # per backward (graph task id): position in `saved` -> recomputed tensor
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
         self.inputs_require_grad: list[bool] = []
+        self.on_xla = False
         # (inputs and kept values, which to offload, how many are inputs, buffers)
         self.to_save: tuple[list[torch.Tensor], list[bool], int, list[torch.Tensor]] | None = None
 
@@ -153,7 +158,7 @@ class _Frame:
         # Stop early on eager devices only. On XLA the rest of the block is dead code that the
         # compiler drops, and stopping would leave wrappers inside the block mid-forward (XLA
         # FSDP's state machine then refuses the next backward hook).
-        on_xla = any(_xla.is_xla_tensor(t) for t in copies.inputs + copies.params)
+        on_xla = self.on_xla
 
         def pack(tensor: torch.Tensor) -> int:
             index = len(store)

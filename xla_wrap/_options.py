@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
@@ -35,6 +36,18 @@ class CheckpointOptions:
     offload_to_cpu: bool = False
 
 
+def options_from(api: str, options: dict[str, Any]) -> CheckpointOptions:
+    """:func:`make_options` for APIs that take the options as ``**kwargs``: an unknown name
+    gets an error that lists the known ones."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise CheckpointTypeError(
+            f"{api}: expected checkpoint options among {', '.join(OPTION_NAMES)}, got "
+            f"{unknown}. Pass only those, as keywords."
+        )
+    return make_options(api, **options)
+
+
 def make_options(
     api: str,
     *,
@@ -59,8 +72,8 @@ def make_options(
     if use_reentrant is True and resolved is not None:
         raise CheckpointValueError(
             f"{api}: a save policy needs the non-reentrant engine, got use_reentrant=True with "
-            f"policy={getattr(resolved, '__qualname__', resolved)}. Pass use_reentrant=False, "
-            "or omit it."
+            f"policy={getattr(resolved, '__qualname__', None) or resolved!r}. Pass "
+            "use_reentrant=False, or omit it."
         )
     return CheckpointOptions(
         preserve_rng_state=bool(preserve_rng_state),

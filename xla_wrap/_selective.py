@@ -17,12 +17,14 @@ checkpoint is the innermost one running.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from . import checkpoint_policies as cp
 from ._errors import CheckpointError, CheckpointTypeError, describe
@@ -58,6 +60,9 @@ class Selection:
         self.kept: list[torch.Tensor] = []
         self.decisions: list[cp.Decision] = []  # per kept tensor: SAVE or OFFLOAD
         self._versions: list[int] = []
+        # Each kept value's tensor in the forward, weakly: an id() could be reused by the
+        # block's output once that tensor is freed.
+        self._sources: list[weakref.ref[torch.Tensor]] = []
         self._substitutes: Sequence[torch.Tensor] | None = None
         self._count = 0
 
@@ -78,24 +83,34 @@ class Selection:
         finally:
             self._substitutes = None
 
-    def take_kept(self) -> list[torch.Tensor]:
-        """The kept values, once the forward is done; refuses values it modified since."""
-        for index, (tensor, version) in enumerate(zip(self.kept, self._versions, strict=True)):
-            if tensor._version != version:
-                occurrence = next(o for o, (s, n) in self.kept_at.items() if s <= index < s + n)
-                raise CheckpointError(
-                    f"{self.api}: the policy kept the output of `{self.functions[occurrence]}` "
-                    f"(occurrence {occurrence} of the forward), and the block modified it in place "
-                    "afterwards, so backward would read the modified value. Make the later "
-                    "operation out-of-place, or use a policy that does not keep this value."
-                )
-        kept, self.kept, self._versions = self.kept, [], []
+    def take_kept(self, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The kept values, once the forward is done. A value the block modified in place
+        since, or returns (it stays alive anyway, and the caller may modify it in place), is
+        recomputed instead: the recomputation reproduces it, the kept copy would not."""
+        output_ids = {id(t) for t in outputs}  # alive: ids cannot be reused meanwhile
+        kept_at: dict[int, tuple[int, int]] = {}
+        kept: list[torch.Tensor] = []
+        decisions: list[cp.Decision] = []
+        for occurrence, (start, count) in self.kept_at.items():
+            span = range(start, start + count)
+            if any(
+                self.kept[i]._version != self._versions[i] or id(self._sources[i]()) in output_ids
+                for i in span
+            ):
+                continue
+            kept_at[occurrence] = (len(kept), count)
+            kept.extend(self.kept[i] for i in span)
+            decisions.extend(self.decisions[i] for i in span)
+        self.kept_at, self.decisions = kept_at, decisions
+        self.kept, self._versions, self._sources = [], [], []
         return kept
 
-    def on_value(self, function: str, name: str | None, value: Any) -> Any:
+    def on_value(
+        self, function: str, name: str | None, value: Any, inputs: Sequence[object] = ()
+    ) -> Any:
         flat = Flat.of(value)
         tensors = flat.tensors
-        if name is None and not _is_candidate(function, tensors):
+        if name is None and not _is_candidate(function, tensors, inputs):
             return value
         occurrence = self._count
         self._count += 1
@@ -141,17 +156,21 @@ class Selection:
         for tensor in tensors:
             self.kept.append(tensor.detach())
             self._versions.append(tensor._version)
+            self._sources.append(weakref.ref(tensor))
             self.decisions.append(decision)
 
 
-def _is_candidate(function: str, tensors: Sequence[torch.Tensor]) -> bool:
+def _is_candidate(function: str, tensors: Sequence[torch.Tensor], inputs: Sequence[object]) -> bool:
     """An operation a policy decides on: it returns differentiable tensors, none of them a view
-    (free to recompute), and it is not in-place (its output is its input, changed)."""
+    or one of its inputs (free to recompute: ``x.to(x.dtype)`` returns ``x``), and it is not
+    in-place (its output is its input, changed). The answer must not depend on whether an
+    input is a view, which a barriered copy is not."""
     if not tensors or not any(t.requires_grad for t in tensors):
         return False
     if function.endswith("_") and not function.endswith("__"):
         return False
-    return not any(t._is_view() for t in tensors)
+    ids = {id(i) for i in inputs}
+    return not any(id(t) in ids or t._is_view() for t in tensors)
 
 
 class _Mode(TorchFunctionMode):
@@ -166,10 +185,12 @@ class _Mode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if _current() is not self.selection:
             return out  # a nested checkpoint's operation, or xla_wrap's own machinery
-        return self.selection.on_value(_function_name(func), None, out)
+        inputs = pytree.tree_leaves((args, kwargs))
+        return self.selection.on_value(_function_name(func), None, out, inputs)
 
 
 def _function_name(func: Any) -> str:

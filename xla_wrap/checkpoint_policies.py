@@ -1,5 +1,7 @@
 """Save policies: which values of a checkpointed forward are kept for backward, and which are
-recomputed. The names are JAX's (``jax.checkpoint_policies``).
+recomputed. The names are JAX's (``jax.checkpoint_policies``), except ``offload_these_names``,
+a shorthand of ours; ``dots_saveable`` also keeps convolutions, which PyTorch users count
+among the expensive products.
 
 A policy is called once per operation of the checkpointed forward that computes a
 differentiable value (``linear``, ``matmul``, ``gelu``, ... as the block calls them through
@@ -118,24 +120,13 @@ def dots_saveable(op: Op) -> bool:
 
 def save_only_these_names(*names: str) -> SavePolicy:
     """Keep exactly the values tagged with one of ``names`` by :func:`xla_wrap.checkpoint_name`."""
-    wanted = _names("save_only_these_names", names)
-
-    def policy(op: Op) -> bool:
-        return op.name in wanted
-
-    policy.__qualname__ = f"save_only_these_names{tuple(sorted(wanted))}"
-    return policy
+    return _Named(saved=_names("save_only_these_names", names))
 
 
 def offload_these_names(*names: str) -> SavePolicy:
-    """Keep the values tagged with one of ``names`` in host memory; recompute the rest."""
-    wanted = _names("offload_these_names", names)
-
-    def policy(op: Op) -> Decision:
-        return Decision.OFFLOAD if op.name in wanted else Decision.RECOMPUTE
-
-    policy.__qualname__ = f"offload_these_names{tuple(sorted(wanted))}"
-    return policy
+    """Keep the values tagged with one of ``names`` in host memory; recompute the rest. (Ours;
+    JAX spells it with :func:`save_and_offload_only_these_names`.)"""
+    return _Named(offloaded=_names("offload_these_names", names))
 
 
 def save_and_offload_only_these_names(
@@ -154,32 +145,43 @@ def save_and_offload_only_these_names(
             f"xla_wrap.checkpoint_policies.{api}: the names {sorted(both)} are both saved and "
             "offloaded; give each name to one list."
         )
-
-    def policy(op: Op) -> Decision:
-        if op.name in saved:
-            return Decision.SAVE
-        if op.name in offloaded:
-            return Decision.OFFLOAD
-        return Decision.RECOMPUTE
-
-    return policy
+    return _Named(saved=saved, offloaded=offloaded)
 
 
 def save_from_both_policies(policy_1: SavePolicy, policy_2: SavePolicy) -> SavePolicy:
     """Keep what either policy keeps; on the device if either keeps it there."""
-    first = resolve("save_from_both_policies", policy_1)
-    second = resolve("save_from_both_policies", policy_2)
+    return _Both(
+        resolve("save_from_both_policies", policy_1), resolve("save_from_both_policies", policy_2)
+    )
 
-    def policy(op: Op) -> Decision:
-        a = decide(first, op)
-        b = decide(second, op)
-        if Decision.SAVE in (a, b):
+
+@dataclass(frozen=True)
+class _Named:
+    """Policies by name. Equal arguments make equal policies, so wrapping a module again with
+    the same policy is recognised as the same options."""
+
+    saved: frozenset[str] = frozenset()
+    offloaded: frozenset[str] = frozenset()
+
+    def __call__(self, op: Op) -> Decision:
+        if op.name in self.saved:
             return Decision.SAVE
-        if Decision.OFFLOAD in (a, b):
+        if op.name in self.offloaded:
             return Decision.OFFLOAD
         return Decision.RECOMPUTE
 
-    return policy
+
+@dataclass(frozen=True)
+class _Both:
+    first: SavePolicy
+    second: SavePolicy
+
+    def __call__(self, op: Op) -> Decision:
+        decisions = {decide(self.first, op), decide(self.second, op)}
+        for decision in (Decision.SAVE, Decision.OFFLOAD):
+            if decision in decisions:
+                return decision
+        return Decision.RECOMPUTE
 
 
 def resolve(api: str, policy: object) -> SavePolicy:
@@ -210,7 +212,7 @@ def decide(policy: SavePolicy, op: Op) -> Decision:
         return answer
     if isinstance(answer, bool):
         return Decision.SAVE if answer else Decision.RECOMPUTE
-    name = getattr(policy, "__qualname__", repr(policy))
+    name = getattr(policy, "__qualname__", None) or repr(policy)
     raise CheckpointTypeError(
         f"xla_wrap.checkpoint_policies: the policy {name} returned {describe(answer)} for "
         f"{op}; a policy returns True (keep), False (recompute) or a Decision."

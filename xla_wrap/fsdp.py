@@ -25,7 +25,7 @@ from torch import nn
 
 from . import _xla
 from ._errors import CheckpointValueError
-from ._options import make_options
+from ._options import options_from
 from ._recompute import record_output_sharding
 from ._tree import Flat
 from ._wrapper import CheckpointWrapper, checkpoint_wrapper
@@ -67,7 +67,7 @@ def auto_wrapper_callable(
         fsdp_class: The FSDP class; torch_xla's ``XlaFullyShardedDataParallel`` if omitted.
         **checkpoint_options: Options for :func:`xla_wrap.checkpoint_wrapper`.
     """
-    make_options("xla_wrap.fsdp.auto_wrapper_callable", **checkpoint_options)  # fail early
+    options_from("xla_wrap.fsdp.auto_wrapper_callable", checkpoint_options)  # fail early
     fsdp = fsdp_class or _xla.xla_fsdp_class()
 
     def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:

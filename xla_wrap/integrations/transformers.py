@@ -25,7 +25,7 @@ from torch import nn
 
 from .._checkpoint import checkpoint
 from .._errors import CheckpointTypeError, CheckpointValueError, describe
-from .._options import OPTION_NAMES, make_options
+from .._options import options_from
 
 __all__ = ["gradient_checkpointing_disable", "gradient_checkpointing_enable"]
 
@@ -67,13 +67,7 @@ def gradient_checkpointing_enable(
             f"{api}: expected a positive integer as `every_n_layers`, got {every_n_layers!r}. "
             "Pass 1 to checkpoint every layer, 2 for every other one."
         )
-    try:
-        options = make_options(api, **checkpoint_options)
-    except TypeError:
-        raise CheckpointTypeError(
-            f"{api}: expected checkpoint options among {', '.join(OPTION_NAMES)}, got "
-            f"{sorted(checkpoint_options)}. Pass only those, as keywords."
-        ) from None
+    options = options_from(api, checkpoint_options)
     function = functools.partial(
         checkpoint,
         preserve_rng_state=options.preserve_rng_state,
