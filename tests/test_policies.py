@@ -319,3 +319,25 @@ def test_hlo_recomputes_exactly_the_products_each_policy_leaves_out(
         assert count == plain_dots + recomputed * blocks, name
         # fc1 and fc2 cost the same FLOPs: each one recomputed adds 2 * WIDTH * HIDDEN per row.
         assert flops == plain_flops + recomputed * blocks * 2 * WIDTH * HIDDEN, name
+
+
+def test_a_policy_does_not_reach_into_a_nested_checkpoint() -> None:
+    seen: list[str | None] = []
+
+    def policy(op: cp.Op) -> bool:
+        seen.append(op.name)
+        return False
+
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        return xla_wrap.checkpoint_name(x.sin(), "inner")
+
+    for use_reentrant in (True, False):
+        seen.clear()
+
+        def outer(x: torch.Tensor, reentrant: bool = use_reentrant) -> torch.Tensor:
+            h = xla_wrap.checkpoint_name(x.cos(), "outer")
+            return xla_wrap.checkpoint(inner, h, use_reentrant=reentrant)
+
+        x = torch.randn(3, requires_grad=True)
+        xla_wrap.checkpoint(outer, x, policy=policy).sum().backward()
+        assert "outer" in seen and "inner" not in seen, use_reentrant

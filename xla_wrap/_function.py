@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _offload, _xla
+from . import _offload, _selective, _xla
 from ._errors import CheckpointError
 from ._recompute import (
     CheckpointCall,
@@ -49,7 +49,8 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.buffers = [b.detach().clone() for b in call.owners.buffers]
         call.capture_state(tensors)
         versions = [t._version for t in inputs]
-        outputs = Flat.of(call.run(inputs))
+        with _selective.active(None):  # an enclosing policy does not look inside
+            outputs = Flat.of(call.run(inputs))
         check_inputs_unchanged(call, inputs, versions)
         # Keep structure and non-tensor values only: holding the output tensors here would
         # make a reference cycle through their grad_fn.
@@ -87,7 +88,7 @@ class CheckpointFunction(torch.autograd.Function):
             [g for g in grads if g is not None],
             ctx.buffers,
         )
-        with replaying(call, copies):
+        with replaying(call, copies), _selective.active(None):
             recomputed = Flat.of(call.run(copies.inputs))
 
         assert call.outputs is not None
