@@ -19,7 +19,12 @@ import torch
 pytestmark = pytest.mark.xla
 
 WORKER = Path(__file__).with_name("_spmd_fsdp_worker.py")
-CHECKPOINTED = ["fsdp(checkpoint) helper", "checkpoint(fsdp)", "fsdp(checkpoint) by hand"]
+CHECKPOINTED = [
+    "fsdp(checkpoint) helper",
+    "fsdp(checkpoint) helper non-reentrant",
+    "checkpoint(fsdp)",
+    "fsdp(checkpoint) by hand",
+]
 SHARDED = ["fsdp(checkpoint) helper", "checkpoint(fsdp)"]
 DEPTH = 4
 
@@ -69,6 +74,16 @@ def test_spmd_fsdp_recomputes_every_block_exactly_once(results: dict[str, Any], 
 @pytest.mark.parametrize("name", ["plain", *CHECKPOINTED])
 def test_spmd_step_compiles_once(results: dict[str, Any], name: str) -> None:
     assert _ok(results, name)["recompiles"] == 0
+
+
+def test_spmd_non_reentrant_engine_compiles_to_the_reentrant_helpers_program(
+    results: dict[str, Any],
+) -> None:
+    # Same loss, gradients and recomputation count (tests above), and not one instruction of
+    # difference: XLA took its program from the cache the reentrant helper's run filled.
+    assert _ok(results, "fsdp(checkpoint) helper")["compiled"] is True
+    assert _ok(results, "fsdp(checkpoint) helper non-reentrant")["compiled"] is False
+    assert _ok(results, "fsdp(checkpoint) helper non-reentrant")["warnings"] == []
 
 
 def test_spmd_checkpoint_copies_program_inputs_so_the_next_step_compiles_nothing(
