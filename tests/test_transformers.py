@@ -81,18 +81,16 @@ def _ids(device: torch.device | str = "cpu") -> torch.Tensor:
     return ids.to(device)
 
 
-@pytest.mark.parametrize("make", MODELS)
-def test_transformers_layers_checkpointed_bitwise_on_eager_cpu(
-    make: Callable[[], nn.Module],
-) -> None:
+def _plain(make: Callable[[], nn.Module]) -> nn.Module:
     torch.manual_seed(0)
     plain = make().train()
     # A key/value cache filled while training concatenates keys, which moves the attention's
     # last bits; checkpointing turns it off, so the reference runs without it too.
     plain.config.use_cache = False
-    twin = copy.deepcopy(plain)
-    xla_hf.gradient_checkpointing_enable(twin)
-    calls = _record_calls(twin)
+    return plain
+
+
+def _assert_trains_bitwise_alike(plain: nn.Module, twin: nn.Module) -> None:
     ids = _ids()
     plain_loss, plain_grads = _step(plain, ids)
     loss, grads = _step(twin, ids)
@@ -100,6 +98,17 @@ def test_transformers_layers_checkpointed_bitwise_on_eager_cpu(
     assert len(grads) == len(plain_grads) and all(g is not None for g in grads)
     for got, expected in zip(grads, plain_grads, strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("make", MODELS)
+def test_transformers_layers_checkpointed_bitwise_on_eager_cpu(
+    make: Callable[[], nn.Module],
+) -> None:
+    plain = _plain(make)
+    twin = copy.deepcopy(plain)
+    xla_hf.gradient_checkpointing_enable(twin)
+    calls = _record_calls(twin)
+    _assert_trains_bitwise_alike(plain, twin)
     assert calls == [[False, True]] * len(calls)  # every layer recomputed once in backward
 
 
@@ -197,9 +206,7 @@ def test_bad_models_and_options_are_refused_with_what_to_do(
 def test_transformers_layers_with_a_save_policy_bitwise_on_eager_cpu(
     make: Callable[[], nn.Module],
 ) -> None:
-    torch.manual_seed(0)
-    plain = make().train()
-    plain.config.use_cache = False
+    plain = _plain(make)
     twin = copy.deepcopy(plain)
     full = copy.deepcopy(plain)
     xla_hf.gradient_checkpointing_enable(full)
@@ -212,8 +219,4 @@ def test_transformers_layers_with_a_save_policy_bitwise_on_eager_cpu(
     # The policy reaches every layer's checkpoint: it keeps the products, which full
     # checkpointing recomputes.
     assert activations(twin) > activations(full)
-    plain_loss, plain_grads = _step(plain, _ids())
-    loss, grads = _step(twin, _ids())
-    assert torch.equal(loss, plain_loss)
-    for got, expected in zip(grads, plain_grads, strict=True):
-        assert torch.equal(got, expected)
+    _assert_trains_bitwise_alike(plain, twin)

@@ -124,4 +124,4 @@ def _check_same_outputs(call: CheckpointCall, forward: Flat, again: Flat) -> Non
                 problem = f"{got} at output leaf {position}, where the forward returned {expected}"
                 break
     if problem is not None:
-        raise_not_deterministic(call, f"returned {problem}")
+        raise_not_deterministic(call.api, f"returned {problem}")

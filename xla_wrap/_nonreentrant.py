@@ -79,8 +79,9 @@ def run_nonreentrant(call: CheckpointCall, policy: cp.SavePolicy | None) -> Any:
         frame.on_xla = any(
             _xla.is_xla_tensor(t) for t in (*inputs, *call.owners.params, *outputs.tensors)
         )
-        frame.to_save = ([*inputs, *kept], offload, len(inputs), buffers)
-        through = _OutputGate.apply(frame, *(outputs.tensors[i] for i in gated))
+        through = _OutputGate.apply(
+            frame, [*inputs, *kept], offload, buffers, *(outputs.tensors[i] for i in gated)
+        )
     tensors = list(outputs.tensors)
     for i, tensor in zip(gated, through, strict=True):
         tensors[i] = tensor
@@ -135,8 +136,6 @@ class _Frame:
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
         self.inputs_require_grad: list[bool] = []
         self.on_xla = False
-        # (inputs and kept values, which to offload, how many are inputs, buffers)
-        self.to_save: tuple[list[torch.Tensor], list[bool], int, list[torch.Tensor]] | None = None
 
     def pack(self, tensor: torch.Tensor) -> _Placeholder:
         self.saved.append(_SavedMeta.of(tensor))
@@ -155,25 +154,24 @@ class _Frame:
         if not self.saved:
             return copies.grads
         store: dict[int, torch.Tensor] = {}
-        # Stop early on eager devices only. On XLA the rest of the block is dead code that the
-        # compiler drops, and stopping would leave wrappers inside the block mid-forward (XLA
-        # FSDP's state machine then refuses the next backward hook).
-        on_xla = self.on_xla
 
         def pack(tensor: torch.Tensor) -> int:
             index = len(store)
-            if index >= len(self.saved):  # only without a stop, i.e. never: kept for safety
-                raise_not_deterministic(call, f"saved more than the {len(self.saved)} tensors")
+            if index >= len(self.saved):  # possible on XLA only, where nothing stops early
+                raise_not_deterministic(call.api, f"saved more than the {len(self.saved)} tensors")
             expected = self.saved[index]
             got = _SavedMeta.of(tensor)
             if (got.shape, got.dtype) != (expected.shape, expected.dtype):
                 raise_not_deterministic(
-                    call,
+                    call.api,
                     f"saved {got} as tensor {index} for backward, where the forward saved "
                     f"{expected}",
                 )
             store[index] = tensor.detach()
-            if len(store) == len(self.saved) and not on_xla:
+            # Stop early on eager devices only. On XLA the rest of the block is dead code the
+            # compiler drops, and stopping would leave wrappers inside the block mid-forward
+            # (XLA FSDP's state machine then refuses the next backward hook).
+            if len(store) == len(self.saved) and not self.on_xla:
                 raise _StopRecomputation(self)
             return index
 
@@ -182,8 +180,6 @@ class _Frame:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked))
             if self.selection is not None:
                 stack.enter_context(self.selection.substituting(copies.kept))
-            else:
-                stack.enter_context(_selective.active(None))
             try:
                 call.run(copies.inputs)
             except _StopRecomputation as stop:
@@ -191,7 +187,7 @@ class _Frame:
                     raise
         if len(store) < len(self.saved):
             raise_not_deterministic(
-                call,
+                call.api,
                 f"saved {len(store)} tensors for backward, where the forward saved "
                 f"{len(self.saved)}; the first missing one is {self.saved[len(store)]}",
             )
@@ -225,15 +221,23 @@ def _never_unpacked(index: int) -> torch.Tensor:
 
 
 class _OutputGate(torch.autograd.Function):
-    """``apply(frame, *outputs)`` -> aliases of the block's outputs that require grad; their
-    backward recomputes the block behind the barrier before the block's graph runs."""
+    """``apply(frame, residuals, offload, buffers, *outputs)`` -> aliases of the block's outputs
+    that require grad; their backward recomputes the block behind the barrier before the
+    block's graph runs. ``residuals`` are the block's inputs, then the values a policy kept;
+    ``offload`` says which of them wait in host memory."""
 
     @staticmethod
-    def forward(ctx: Any, frame: _Frame, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        assert frame.to_save is not None
-        residuals, offload, ctx.split, ctx.buffers = frame.to_save
-        frame.to_save = None
+    def forward(
+        ctx: Any,
+        frame: _Frame,
+        residuals: list[torch.Tensor],
+        offload: list[bool],
+        buffers: list[torch.Tensor],
+        *outputs: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.frame = frame
+        ctx.split = len(frame.inputs_require_grad)  # residuals[:split] are the inputs
+        ctx.buffers = buffers
         ctx.call = frame.call  # lets record_output_sharding find this checkpoint
         saved, ctx.offload_devices = _offload.to_host(residuals, offload)
         # Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
@@ -259,4 +263,4 @@ class _OutputGate(torch.autograd.Function):
         for i, grad in zip(present, copies, strict=True):
             shard_like_output(grad, None, frame.call.output_shardings[i])
             out[i] = grad
-        return (None, *out)
+        return (None, None, None, None, *out)

@@ -188,9 +188,9 @@ def check_inputs_unchanged(
             )
 
 
-def raise_not_deterministic(call: CheckpointCall, problem: str) -> None:
+def raise_not_deterministic(api: str, problem: str) -> None:
     raise CheckpointError(
-        f"{call.api}: the recomputation in backward {problem}. A checkpointed callable must "
+        f"{api}: the recomputation in backward {problem}. A checkpointed callable must "
         "compute the same thing when run again on the same inputs; branch on "
         "`xla_wrap.is_recomputing()` only for side effects, never for what it computes."
     )

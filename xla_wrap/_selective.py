@@ -27,7 +27,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import checkpoint_policies as cp
-from ._errors import CheckpointError, CheckpointTypeError, describe
+from ._errors import CheckpointTypeError, describe
+from ._recompute import raise_not_deterministic
 from ._tree import Flat
 
 _local = threading.local()
@@ -118,16 +119,11 @@ class Selection:
             self._record(occurrence, function, name, tensors)
             return value
         if occurrence >= len(self.functions) or self.functions[occurrence] != function:
-            expected = (
-                f"`{self.functions[occurrence]}`"
-                if occurrence < len(self.functions)
-                else "nothing more"
-            )
-            raise CheckpointError(
-                f"{self.api}: the recomputation in backward called `{function}` as operation "
-                f"{occurrence}, where the forward called {expected}. A checkpointed callable "
-                "must compute the same thing when run again on the same inputs; branch on "
-                "`xla_wrap.is_recomputing()` only for side effects."
+            expected = self.functions[occurrence : occurrence + 1] or ["nothing more"]
+            raise_not_deterministic(
+                self.api,
+                f"called `{function}` as operation {occurrence}, where the forward called "
+                f"`{expected[0]}`",
             )
         slot = self.kept_at.get(occurrence)
         if slot is None:

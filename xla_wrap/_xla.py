@@ -9,12 +9,14 @@ asks these functions and never touches torch_xla directly.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType, ModuleType
+from typing import Any
 
 import torch
 
@@ -214,18 +216,17 @@ def host_offload_supported() -> bool:
 
 def place_to_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` annotated to live in pinned host memory (``annotate_device_placement``)."""
-    from torch_xla.experimental import stablehlo_custom_call  # registers torch.ops.xla.*
-
-    del stablehlo_custom_call
-    return torch.ops.xla.place_to_host(tensor)
+    return _placement_ops().place_to_host(tensor)
 
 
 def place_to_device(tensor: torch.Tensor) -> torch.Tensor:
     """A value placed by :func:`place_to_host`, annotated back to device memory."""
-    from torch_xla.experimental import stablehlo_custom_call
+    return _placement_ops().place_to_device(tensor)
 
-    del stablehlo_custom_call
-    return torch.ops.xla.place_to_device(tensor)
+
+def _placement_ops() -> Any:
+    importlib.import_module("torch_xla.experimental.stablehlo_custom_call")  # registers them
+    return torch.ops.xla
 
 
 def barrier_stripping_active(device_type: str, xla_flags: str | None = None) -> bool:
