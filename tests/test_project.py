@@ -39,6 +39,16 @@ print("ok")
 """
 
 
+def _run_example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>`` with ``args`` in a fresh Python, with XLA's flags and device
+    count left to the example, and require it to succeed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
+    command = [sys.executable, str(ROOT / "examples" / script), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 @pytest.mark.subprocess
 def test_import_and_eager_features_work_without_torch_xla() -> None:
     done = subprocess.run(
@@ -52,11 +62,7 @@ def test_import_and_eager_features_work_without_torch_xla() -> None:
 @pytest.mark.xla
 def test_conv_stack_example_smallest_configuration() -> None:
     pytest.importorskip("torch_xla")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    command = [sys.executable, str(ROOT / "examples" / "conv_stack.py")]
-    command += ["--blocks=3", "--channels=16", "--size=8", "--batch=2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _run_example("conv_stack.py", "--blocks=3", "--channels=16", "--size=8", "--batch=2")
     assert "xla_wrap: compiling and running" in done.stdout  # progress is shown
     lines = {line[:28].strip(): line[28:].split() for line in done.stdout.splitlines()}
     plain_barriers, our_barriers = map(int, lines["optimization barriers"])
@@ -70,11 +76,7 @@ def test_conv_stack_example_smallest_configuration() -> None:
 @pytest.mark.xla
 def test_save_policies_example_smallest_configuration() -> None:
     pytest.importorskip("torch_xla")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    command = [sys.executable, str(ROOT / "examples" / "save_policies.py")]
-    command += ["--blocks=3", "--dim=32", "--seq=16", "--batch=2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _run_example("save_policies.py", "--blocks=3", "--dim=32", "--seq=16", "--batch=2")
     assert "dots_saveable: compiling and running" in done.stdout  # progress is shown
     rows = {line[:32].strip(): line[32:].split() for line in done.stdout.splitlines()}
     peak = {name: float(rows[name][0]) for name in rows if len(rows[name]) == 4}
@@ -109,12 +111,16 @@ def test_example_help_runs_without_starting_xla(example: str, option: str) -> No
 @pytest.mark.xla
 def test_fsdp_transformer_example_smallest_configuration() -> None:
     pytest.importorskip("torch_xla")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
-    command = [sys.executable, str(ROOT / "examples" / "fsdp_transformer.py")]
-    command += ["--layers=2", "--dim=32", "--heads=2", "--seq=16", "--batch=8", "--vocab=16"]
-    command += ["--steps=3"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _run_example(
+        "fsdp_transformer.py",
+        "--layers=2",
+        "--dim=32",
+        "--heads=2",
+        "--seq=16",
+        "--batch=8",
+        "--vocab=16",
+        "--steps=3",
+    )
     assert "FSDPv2 + xla_wrap: step 3/3" in done.stdout  # progress is shown
     curve = [line.split() for line in done.stdout.splitlines() if line[:4].strip().isdigit()]
     assert len(curve) == 3
@@ -133,11 +139,7 @@ def test_fsdp_transformer_example_smallest_configuration() -> None:
 def test_digits_barrier_example_converges_alike_in_a_short_run() -> None:
     pytest.importorskip("torch_xla")
     pytest.importorskip("sklearn")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    command = [sys.executable, str(ROOT / "examples" / "digits_barrier.py")]
-    command += ["--epochs=6", "--train=640"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _run_example("digits_barrier.py", "--epochs=6", "--train=640")
     assert "checkpoint_wrapper blocks: epoch 6/6" in done.stdout  # progress is shown
     rows = [line.rsplit(None, 2) for line in done.stdout.splitlines() if line.endswith("%")]
     accuracy = {name.strip(): float(value.rstrip("%")) for name, _, value in rows}
@@ -152,12 +154,15 @@ def test_digits_barrier_example_converges_alike_in_a_short_run() -> None:
 def test_hf_llama_example_smallest_configuration(tmp_path: Path) -> None:
     pytest.importorskip("torch_xla")
     pytest.importorskip("transformers")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    command = [sys.executable, str(ROOT / "examples" / "hf_llama.py"), "--steps=4"]
-    command += ["--layers=2", "--width=32", "--seq=32", "--batch=4"]
-    command += [f"--out={tmp_path / 'loss.png'}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _run_example(
+        "hf_llama.py",
+        "--steps=4",
+        "--layers=2",
+        "--width=32",
+        "--seq=32",
+        "--batch=4",
+        f"--out={tmp_path / 'loss.png'}",
+    )
     assert "xla_wrap: step 4/4" in done.stdout  # progress is shown
     curve = [line.split() for line in done.stdout.splitlines() if line[:4].strip().isdigit()]
     assert len(curve) == 4
