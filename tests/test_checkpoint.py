@@ -197,7 +197,10 @@ def test_block_whose_inputs_need_no_grad_still_trains_its_parameters() -> None:
         ),
     ],
 )
-def test_checkpoint_finds_parameters_of_module_method_and_partial(make_function: Any) -> None:
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpoint_finds_parameters_of_module_method_and_partial(
+    make_function: Any, reentrant: bool
+) -> None:
     torch.manual_seed(0)
     block = Block()
     x = torch.randn(BATCH, WIDTH)
@@ -206,14 +209,22 @@ def test_checkpoint_finds_parameters_of_module_method_and_partial(make_function:
     expected = [p.grad.clone() for p in block.parameters()]
     block.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0)
-    # The parameters are explicit inputs of the checkpoint (so they join its barrier): the
-    # backward node leads straight to their gradient accumulators.
-    accumulated = {
-        id(node.variable) for node, _ in y.grad_fn.next_functions if hasattr(node, "variable")
-    }
-    assert accumulated == {id(p) for p in block.parameters()}
+    seen: list[list[int]] = []
+    # The parameters are found (so they join the barrier): the recomputation reads the
+    # barriered copies in the parameters' slots, not the parameters themselves.
+    block.linear.register_forward_pre_hook(
+        lambda m, _: seen.append([id(m.weight), id(m.bias)]) if xla_wrap.is_recomputing() else None
+    )
+    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0, use_reentrant=reentrant)
+    if reentrant:
+        # The parameters are explicit inputs of the reentrant gate: its backward node leads
+        # straight to their gradient accumulators.
+        accumulated = {
+            id(node.variable) for node, _ in y.grad_fn.next_functions if hasattr(node, "variable")
+        }
+        assert accumulated == {id(p) for p in block.parameters()}
     y.sum().backward()
+    assert len(seen) == 1 and not set(seen[0]) & {id(block.linear.weight), id(block.linear.bias)}
     for a, p in zip(expected, block.parameters(), strict=True):
         assert torch.equal(a, p.grad)
 
@@ -248,15 +259,18 @@ def test_no_grad_runs_a_plain_forward_once() -> None:
             calls.append(torch.is_grad_enabled())
             return self.linear(x)
 
-    wrapped = xla_wrap.checkpoint_wrapper(Counting())
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    with torch.no_grad():
-        y = wrapped(x)
-    assert y.grad_fn is None and calls == [False]
-    calls.clear()
-    wrapped(x).sum().backward()
-    # Forward without a graph, then the recomputation with one.
-    assert calls == [False, True]
+    for reentrant, with_graph in ((True, [False, True]), (False, [True, True])):
+        wrapped = xla_wrap.checkpoint_wrapper(xla_wrap.unwrap(Counting()), use_reentrant=reentrant)
+        calls.clear()
+        with torch.no_grad():
+            y = wrapped(x)
+        assert y.grad_fn is None and calls == [False]
+        calls.clear()
+        wrapped(x).sum().backward()
+        # The reentrant forward runs without a graph, the non-reentrant one records it (with
+        # placeholders); both recompute with one.
+        assert calls == with_graph
 
 
 def test_is_recomputing_is_true_only_inside_the_recomputation_and_per_thread() -> None:
@@ -268,7 +282,7 @@ def test_is_recomputing_is_true_only_inside_the_recomputation_and_per_thread() -
         thread.start()
         thread.join()
         seen.append((xla_wrap.is_recomputing(), other[0]))
-        return x * 2
+        return x.sin()  # saves x: something to recompute
 
     x = torch.randn(3, requires_grad=True)
     y = xla_wrap.checkpoint(function, x)
@@ -339,7 +353,9 @@ def test_recomputation_with_a_different_structure_is_refused() -> None:
     def function(x: torch.Tensor) -> Any:
         return (x * 2, x * 3) if xla_wrap.is_recomputing() else [x * 2, x * 3]
 
-    out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True))
+    # The reentrant engine checks the outputs (the non-reentrant one, what its graph saved:
+    # tests/test_nonreentrant.py).
+    out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True), use_reentrant=True)
     with pytest.raises(xla_wrap.CheckpointError, match=r"^xla_wrap.checkpoint: the recomputation"):
         sum(o.sum() for o in out).backward()
 
@@ -348,14 +364,14 @@ def test_recomputation_with_a_different_shape_is_refused() -> None:
     def function(x: torch.Tensor) -> torch.Tensor:
         return x[:2] if xla_wrap.is_recomputing() else x * 1
 
-    out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True))
+    out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True), use_reentrant=True)
     with pytest.raises(xla_wrap.CheckpointError, match=r"shape=\(2,\).*shape=\(3,\)"):
         out.sum().backward()
 
 
-def test_autograd_grad_gets_a_clear_error() -> None:
+def test_autograd_grad_through_the_reentrant_engine_gets_a_clear_error() -> None:
     x = torch.randn(3, requires_grad=True)
-    y = xla_wrap.checkpoint(lambda t: t.sin(), x)
+    y = xla_wrap.checkpoint(lambda t: t.sin(), x, use_reentrant=True)
     with pytest.raises(xla_wrap.CheckpointError, match=r"use_reentrant=False.*loss.backward\(\)"):
         torch.autograd.grad(y.sum(), x)
 
@@ -384,7 +400,7 @@ def test_checkpoint_sequential_checkpoints_all_but_the_last_segment() -> None:
     def layer(i: int) -> Any:
         def f(x: torch.Tensor) -> torch.Tensor:
             calls.append(i)
-            return x * 2
+            return x.sin()  # saves x: something to recompute
 
         return f
 

@@ -59,12 +59,16 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 def _record_calls(model: nn.Module) -> list[list[bool]]:
     """Per layer, whether each call of its MLP was a recomputation. transformers checkpoints a
-    layer's ``forward``, inside its hooks, so the MLP inside it is what runs again."""
+    layer's ``forward``, inside its hooks, so the MLP inside it is what runs again; a pre-hook,
+    because on eager devices the recomputation stops inside the MLP, once the last tensor the
+    layer saved for backward exists."""
     calls: list[list[bool]] = []
     for layer in _layers(model):
         record: list[bool] = []
         calls.append(record)
-        layer.mlp.register_forward_hook(lambda *_, r=record: r.append(xla_wrap.is_recomputing()))
+        layer.mlp.register_forward_pre_hook(
+            lambda *_, r=record: r.append(xla_wrap.is_recomputing())
+        )
     return calls
 
 

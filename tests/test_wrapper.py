@@ -1,4 +1,5 @@
-"""CheckpointWrapper is a transparent proxy; apply_activation_checkpointing wraps in place."""
+"""checkpoint_wrapper checkpoints a module in place and leaves it what it was (class, names,
+place in the tree, state); apply_activation_checkpointing does it for the selected submodules."""
 
 from __future__ import annotations
 
@@ -78,15 +79,61 @@ def test_state_dict_round_trips_between_wrapped_and_unwrapped_models() -> None:
     assert torch.equal(fresh[1].linear.weight, plain[1].linear.weight)
 
 
-def test_attributes_indexing_len_and_iteration_fall_through() -> None:
+def test_the_wrapped_module_keeps_its_identity_class_and_class_name() -> None:
     seq = nn.Sequential(nn.Linear(WIDTH, 3), nn.ReLU())
+    first = seq[0]
     wrapped = xla_wrap.checkpoint_wrapper(seq)
-    assert wrapped[0] is seq[0] and len(wrapped) == 2 and list(wrapped) == list(seq)
+    assert wrapped is seq and wrapped.checkpoint_module is seq
+    assert isinstance(wrapped, nn.Sequential) and isinstance(wrapped, xla_wrap.CheckpointWrapper)
+    assert type(wrapped) is not nn.Sequential and type(wrapped).__name__ == "Sequential"
+    assert wrapped[0] is first and len(wrapped) == 2 and list(wrapped) == [first, seq[1]]
+    # Every checkpointed Sequential has one class, generated once.
+    assert type(xla_wrap.checkpoint_wrapper(nn.Sequential())) is type(wrapped)
     linear = xla_wrap.checkpoint_wrapper(nn.Linear(WIDTH, 3))
     assert linear.in_features == WIDTH and linear.weight.shape == (3, WIDTH)
-    assert bool(linear) and wrapped.checkpoint_module is seq
     with pytest.raises(AttributeError):
         _ = linear.no_such_attribute
+
+
+def test_a_slice_of_a_checkpointed_sequential_is_a_plain_sequential() -> None:
+    seq = xla_wrap.checkpoint_wrapper(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)))
+    part = seq[1:]
+    assert type(part) is nn.Sequential and part[1] is seq[2]
+
+
+def test_the_forward_is_checkpointed_even_when_set_on_the_instance_before_wrapping() -> None:
+    # accelerate's hooks and in-place patches set `forward` on the instance; the class's
+    # checkpointing forward must not be hidden by it, and the patch must still run.
+    seen: list[bool] = []
+    linear = nn.Linear(WIDTH, WIDTH)
+    original = linear.forward
+
+    def patched(x: torch.Tensor) -> torch.Tensor:
+        seen.append(xla_wrap.is_recomputing())
+        return original(x)
+
+    linear.forward = patched  # type: ignore[method-assign]
+    wrapped = xla_wrap.checkpoint_wrapper(linear)
+    wrapped(torch.randn(BATCH, WIDTH, requires_grad=True)).sum().backward()
+    assert seen == [False, True]
+    assert xla_wrap.unwrap(wrapped).forward is patched and type(wrapped) is nn.Linear
+
+
+def test_unwrap_gives_the_module_its_class_back_and_stops_checkpointing() -> None:
+    calls: list[bool] = []
+    block = Block()
+    block.linear.register_forward_hook(lambda *_: calls.append(xla_wrap.is_recomputing()))
+    xla_wrap.checkpoint_wrapper(block)
+    assert xla_wrap.unwrap(block) is block and type(block) is Block
+    assert "_checkpoint_options" not in vars(block)
+    block(torch.randn(BATCH, WIDTH, requires_grad=True)).sum().backward()
+    assert calls == [False]  # not recomputed
+    assert xla_wrap.unwrap(block) is block  # a plain module is returned as it is
+
+
+def test_checkpointed_class_is_refused_for_a_direct_construction() -> None:
+    with pytest.raises(TypeError, match="made by checkpoint_wrapper"):
+        xla_wrap.CheckpointWrapper()
 
 
 def test_setting_a_parameter_on_the_wrapper_reaches_the_module() -> None:
@@ -96,25 +143,34 @@ def test_setting_a_parameter_on_the_wrapper_reaches_the_module() -> None:
     assert torch.equal(linear.weight, torch.zeros(3, WIDTH))
 
 
-def test_to_deepcopy_and_pickle_keep_the_proxy_and_the_module_in_step() -> None:
+def test_to_deepcopy_and_pickle_keep_the_module_checkpointed() -> None:
     wrapped = wrap_all(make_model())
+    original_block = wrapped[0].blocks[0]
     as_double = copy.deepcopy(wrapped).to(torch.float64)
     block = as_double[0].blocks[0]
+    assert block is not original_block and type(block) is type(original_block)
     assert block.linear.weight.dtype == torch.float64
-    assert block.checkpoint_module.linear.weight is block.linear.weight
+    assert block.checkpoint_options == original_block.checkpoint_options
     assert wrapped[0].blocks[0].linear.weight.dtype == torch.float32  # the copy is independent
     restored = pickle.loads(pickle.dumps(wrapped))
     inner = restored[0].blocks[1]
-    assert isinstance(inner, xla_wrap.CheckpointWrapper)
-    assert inner.checkpoint_module.linear.weight is inner.linear.weight
+    assert isinstance(inner, xla_wrap.CheckpointWrapper) and isinstance(inner, Block)
+    assert type(inner) is type(original_block)
     assert restored[1].note == "saved"
+    # The copies still checkpoint: each block runs again in backward.
+    calls: list[bool] = []
+    restored[0].blocks[1].linear.register_forward_hook(
+        lambda *_: calls.append(xla_wrap.is_recomputing())
+    )
+    restored[0](torch.randn(BATCH, WIDTH, requires_grad=True)).backward()
+    assert calls == [False, True]
     assert "CheckpointWrapper(Block(" in repr(wrapped)
 
 
 def test_train_and_eval_reach_the_wrapped_module() -> None:
     wrapped = wrap_all(make_model())
     wrapped.eval()
-    inner = wrapped[0].blocks[0].checkpoint_module
+    inner = wrapped[0].blocks[0]
     assert not inner.training and not inner.drop.training
     wrapped.train()
     assert inner.training and inner.drop.training
@@ -123,17 +179,17 @@ def test_train_and_eval_reach_the_wrapped_module() -> None:
 def test_optimizer_over_wrapped_model_sees_the_same_parameters() -> None:
     plain, wrapped = make_model(), wrap_all(make_model())
     assert [p.shape for p in wrapped.parameters()] == [p.shape for p in plain.parameters()]
-    block = wrapped[0].blocks[0]
-    assert {id(p) for p in block.parameters()} == {
-        id(p) for p in block.checkpoint_module.parameters()
-    }
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in plain.named_parameters()]
 
 
 def test_wrapping_twice_returns_the_wrapper_or_refuses_other_options() -> None:
     wrapped = xla_wrap.checkpoint_wrapper(Block())
     assert xla_wrap.checkpoint_wrapper(wrapped) is wrapped
-    with pytest.raises(xla_wrap.CheckpointValueError, match="checkpoint_module"):
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"xla_wrap\.unwrap\(module\)"):
         xla_wrap.checkpoint_wrapper(wrapped, preserve_rng_state=False)
+    assert wrapped.checkpoint_options.preserve_rng_state is True
+    rewrapped = xla_wrap.checkpoint_wrapper(xla_wrap.unwrap(wrapped), preserve_rng_state=False)
+    assert rewrapped is wrapped and wrapped.checkpoint_options.preserve_rng_state is False
 
 
 # Module trees for apply_activation_checkpointing: each node is a Sequential of children or a
@@ -172,10 +228,9 @@ def test_apply_wraps_exactly_the_selected_modules_once_never_the_root(spec: Any,
     assert result is model and not isinstance(model, xla_wrap.CheckpointWrapper)
     assert id(model) not in seen  # the root is never offered
     assert len(seen) == len(set(seen))  # nothing is considered (so wrapped) twice
-    wrappers = {id(m): m for m in model.modules() if isinstance(m, xla_wrap.CheckpointWrapper)}
-    assert {id(w.checkpoint_module) for w in wrappers.values()} == selected - {id(model)}
-    for wrapper in wrappers.values():
-        assert not isinstance(wrapper.checkpoint_module, xla_wrap.CheckpointWrapper)
+    wrapped = {id(m) for m in model.modules() if isinstance(m, xla_wrap.CheckpointWrapper)}
+    assert wrapped == selected - {id(model)}
+    assert [id(m) for m in model.modules()] == [id(m) for m in modules]  # same tree, in place
     assert [n for n, _ in model.named_parameters()] == names_before
     x = torch.randn(3, 2, requires_grad=True)
     model(x).sum().backward()  # every layer maps 2 -> 2, so the wrapped tree still runs
@@ -220,12 +275,17 @@ def test_hooks_registered_on_the_wrapper_run() -> None:
     assert state_calls == ["state_dict"]
 
 
-def test_hooks_of_the_wrapped_module_also_run_in_the_recomputation() -> None:
-    seen: list[bool] = []
-    inner = nn.Linear(WIDTH, WIDTH)
-    inner.register_forward_hook(lambda m, i, o: seen.append(xla_wrap.is_recomputing()))
-    xla_wrap.checkpoint_wrapper(inner)(torch.randn(BATCH, WIDTH)).sum().backward()
-    assert seen == [False, True]
+def test_hooks_of_the_module_run_once_and_hooks_of_its_submodules_run_again() -> None:
+    # The module's own hooks wrap the checkpoint (as FSDP2's hooks must, around the unit);
+    # its submodules run inside the block, so their hooks run in the recomputation too.
+    seen: list[str] = []
+    block = Block()
+    block.register_forward_hook(lambda *_: seen.append(f"block {xla_wrap.is_recomputing()}"))
+    block.linear.register_forward_hook(
+        lambda *_: seen.append(f"linear {xla_wrap.is_recomputing()}")
+    )
+    xla_wrap.checkpoint_wrapper(block)(torch.randn(BATCH, WIDTH)).sum().backward()
+    assert seen == ["linear False", "block False", "linear True"]
 
 
 def test_apply_leaves_existing_wrappers_and_their_insides_alone() -> None:

@@ -5,7 +5,7 @@ XLA compiles a whole training step into one program. Recomputed activations look
 the forward's, so XLA's common-subexpression elimination merges them back and no memory is
 saved. xla_wrap recomputes behind an optimization barrier that keeps gradients flowing, replays
 the CPU/CUDA/XLA random generators so Dropout recomputes exactly, and presents wrapped modules
-under their original names.
+as what they are: same class, same names, same place in the tree.
 """
 
 from . import checkpoint_policies as checkpoint_policies
@@ -26,6 +26,7 @@ from ._selective import checkpoint_name as checkpoint_name
 from ._state import is_recomputing as is_recomputing
 from ._wrapper import CheckpointWrapper as CheckpointWrapper
 from ._wrapper import checkpoint_wrapper as checkpoint_wrapper
+from ._wrapper import unwrap as unwrap
 
 __version__ = "0.1.0"
 
@@ -47,5 +48,6 @@ __all__ = [
     "introspect",
     "is_recomputing",
     "optimization_barrier",
+    "unwrap",
     "wrap",
 ]

@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from . import _hooks
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._options import options_from
-from ._wrapper import CheckpointWrapper, refuse_eager_fsdp_unit
-from .fsdp import format_units, fsdp_units
+from ._wrapper import CheckpointWrapper, checkpoint_in_place
 from .wrap import Policy
 
 M = TypeVar("M", bound=nn.Module)
@@ -29,10 +29,10 @@ def apply_activation_checkpointing(
 
     Children are visited before their parents (post-order), so ``check_fn`` sees a parent whose
     selected children are already wrapped. The root is never wrapped (it cannot be replaced in
-    place; wrap it yourself with :func:`checkpoint_wrapper`). A module reachable under several
-    names is wrapped once and the same wrapper is put at every place. An existing
-    :class:`CheckpointWrapper` is left as it is, and nothing inside it is offered (that would
-    nest checkpoints).
+    place; wrap it yourself with :func:`checkpoint_wrapper`). Selected modules are checkpointed
+    in place, as :func:`checkpoint_wrapper` does: they keep their class, names and places. A
+    module reachable under several names is offered once. A module already checkpointed is
+    left as it is, and nothing inside it is offered (that would nest checkpoints).
 
     Args:
         model: The model to modify.
@@ -54,8 +54,8 @@ def apply_activation_checkpointing(
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         >>> model = xla_wrap.apply_activation_checkpointing(
         ...     model, lambda m: isinstance(m, torch.nn.Linear))
-        >>> type(model[0]).__name__
-        'CheckpointWrapper'
+        >>> isinstance(model[0], xla_wrap.CheckpointWrapper), isinstance(model[0], torch.nn.Linear)
+        (True, True)
     """
     api = "xla_wrap.apply_activation_checkpointing"
     if not isinstance(model, nn.Module):
@@ -72,26 +72,18 @@ def apply_activation_checkpointing(
     options = options_from(api, wrapper_options)
     if isinstance(check_fn, Policy):
         check_fn = _resolved(api, check_fn, model)
-    replacement: dict[int, nn.Module] = {}
     considered: set[int] = {id(model)}
 
     def visit(parent: nn.Module) -> None:
-        for name, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            if id(child) in replacement:  # a module seen before under another name
-                parent._modules[name] = replacement[id(child)]
-                continue
-            if id(child) in considered:
+        for child in list(parent.children()):
+            if id(child) in considered:  # a module seen before under another name
                 continue
             considered.add(id(child))
             if isinstance(child, CheckpointWrapper):  # already checkpointed, inside included
                 continue
             visit(child)
             if check_fn(child):
-                refuse_eager_fsdp_unit(api, child)
-                wrapper = CheckpointWrapper(child, options)
-                replacement[id(child)] = parent._modules[name] = wrapper
+                checkpoint_in_place(api, child, options)
 
     visit(model)
     return model
@@ -107,25 +99,16 @@ def _resolved(api: str, policy: Policy, model: nn.Module) -> Callable[[nn.Module
             "to its submodules, or wrap the model yourself: "
             "`model = xla_wrap.checkpoint_wrapper(model)`."
         )
-    units = [] if selected else fsdp_units(model)
-    if units:
-        raise CheckpointValueError(
-            f"{api}: the policy {policy!r} selects nothing in a model that FSDP has already "
-            f"wrapped (units at {format_units(units)}). FSDP "
-            "flattens parameters and renames submodules, which hides them from rules on size "
-            "and names. Checkpoint first, then shard: call apply_activation_checkpointing on "
-            "the model before FSDP wraps it, or let FSDP build each unit as "
-            "FSDP(checkpoint_wrapper(block)) with `auto_wrap_policy=xla_wrap.fsdp."
-            "auto_wrap_policy(policy, model), auto_wrapper_callable=xla_wrap.fsdp."
-            "auto_wrapper_callable()` (docs/fsdp.md)."
-        )
+    for hook in _hooks.installed():
+        hook.check_selection(api, policy, model, [module for _, module in selected])
     if not selected:
         warnings.warn(
             f"{api}: the policy {policy!r} selects no submodule of {type(model).__name__}; "
             "nothing is checkpointed. Check the classes, names or sizes it looks for.",
             stacklevel=3,
         )
-    for _, module in selected:  # refuse before anything is replaced
-        refuse_eager_fsdp_unit(api, module)
+    for _, module in selected:  # refuse before anything is wrapped
+        for hook in _hooks.installed():
+            hook.check_module(api, module)
     chosen = {id(module) for _, module in selected}
     return lambda module: id(module) in chosen

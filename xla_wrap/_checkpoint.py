@@ -12,7 +12,7 @@ from torch import nn
 from . import _xla
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
-from ._function import CheckpointFunction
+from ._function import run_reentrant
 from ._module_tensors import ModuleTensors
 from ._nonreentrant import run_nonreentrant
 from ._options import CheckpointOptions, make_options
@@ -36,23 +36,12 @@ def run_checkpointed(
         return function(*args, **kwargs)
     inputs = Flat.of((args, kwargs))
     call = CheckpointCall(
-        api=api,
-        function=function,
-        inputs=inputs,
-        owners=ModuleTensors.of(owners),
-        preserve_rng_state=options.preserve_rng_state,
-        offload_to_cpu=options.offload_to_cpu,
+        api=api, function=function, owners=ModuleTensors.of(owners), options=options
     )
-    tensors = (*inputs.tensors, *call.owners.params)
-    _xla.warn_if_barriers_stripped(tensors)
-    if not options.use_reentrant:
-        return run_nonreentrant(call, options.policy)
-    anchor = None
-    if not any(t.requires_grad for t in tensors):
-        anchor = torch.empty(0, requires_grad=True)
-    outputs = CheckpointFunction.apply(call, anchor, *tensors)
-    assert call.outputs is not None
-    return call.outputs.rebuild(outputs)
+    _xla.warn_if_barriers_stripped((*inputs.tensors, *call.owners.params))
+    if options.use_reentrant:
+        return run_reentrant(call, inputs)
+    return run_nonreentrant(call, inputs)
 
 
 def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[nn.Module]:

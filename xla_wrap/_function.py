@@ -1,68 +1,72 @@
-"""The reentrant engine: an autograd Function that recomputes its block in its own backward.
+"""The reentrant engine: the block runs without a graph and is recomputed and differentiated
+inside the backward of one autograd Function.
 
-Forward runs the callable without recording a graph and saves only its tensor inputs. Backward
-puts them through the barrier of :mod:`._recompute` with the incoming gradients and the owners'
-parameters and buffers, runs the callable again on the barriered values with the forward's RNG
-and autocast state, and lets gradients flow from the incoming gradients through the recomputed
-graph.
+The forward (:func:`._recompute.record_forward` under ``no_grad``) saves nothing inside the
+block. :class:`_ReentrantGate` then joins the block's outputs to its inputs and its owners'
+parameters in the autograd graph, saving only the inputs. Its backward puts them through the
+barrier of :mod:`._recompute` with the incoming gradients and the parameters and buffers, runs
+the block again on the barriered values with the forward's RNG and autocast state, and lets
+gradients flow from the incoming gradients through the recomputed graph.
 
-Parameters are explicit inputs of the Function, so a block whose inputs need no gradient (the
-first layer) still gives its parameters gradients. Tensors the callable reaches by other routes
-(FSDP's views of flattened parameters, closures) receive gradients through the recomputed graph
-itself; when no explicit input needs a gradient, an empty *anchor* tensor that requires one
-keeps the Function in the autograd graph so that this backward runs at all.
+Parameters are explicit inputs of the gate, so a block whose inputs need no gradient (the first
+layer) still gives its parameters gradients. Tensors the block reaches by other routes (FSDP's
+views of flattened parameters, closures) receive gradients through the recomputed graph itself;
+when no explicit input needs a gradient, an empty *anchor* tensor that requires one keeps the
+gate in the autograd graph so that this backward runs at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-from . import _offload, _selective, _xla
+from . import _offload, _selective
 from ._errors import CheckpointError
 from ._recompute import (
     CheckpointCall,
+    ForwardRecord,
     barrier_for_recompute,
-    check_inputs_unchanged,
+    gradients_arrived,
     raise_not_deterministic,
+    record_forward,
+    refuse_double_backward,
     replaying,
-    shard_like_output,
+    saved_on_host,
 )
 from ._tree import Flat, TensorMeta
 
 
-class CheckpointFunction(torch.autograd.Function):
-    """``apply(call, anchor, *input_tensors, *params)`` -> the output tensors of ``call``."""
+def run_reentrant(call: CheckpointCall, inputs: Flat) -> Any:
+    """Run ``call`` on ``inputs`` without a graph, and return its outputs behind the gate."""
+    with torch.no_grad(), _selective.active(None):  # an enclosing policy does not look inside
+        record, outputs = record_forward(call, inputs, contextlib.nullcontext())
+    tensors = (*inputs.tensors, *call.owners.params)
+    anchor = None
+    if not any(t.requires_grad for t in tensors):
+        anchor = torch.empty(0, requires_grad=True)
+    through = _ReentrantGate.apply(record, anchor, len(tensors), *tensors, *outputs.tensors)
+    return outputs.rebuild(through)
+
+
+class _ReentrantGate(torch.autograd.Function):
+    """``apply(record, anchor, n, *inputs, *params, *outputs)`` -> aliases of ``outputs``
+    whose backward recomputes the block (``n`` counts the inputs and parameters)."""
 
     @staticmethod
     def forward(
-        ctx: Any, call: CheckpointCall, anchor: torch.Tensor | None, *tensors: torch.Tensor
+        ctx: Any, record: ForwardRecord, anchor: torch.Tensor | None, n: int, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        inputs = tensors[: len(call.inputs.tensor_positions)]
-        ctx.call = call
-        saved, ctx.offload_devices = _offload.to_host(inputs, [call.offload_to_cpu] * len(inputs))
+        n_inputs = len(record.inputs_require_grad)
+        inputs, outputs = tensors[:n_inputs], tensors[n:]
+        ctx.record = record
+        ctx.output_positions = tuple(range(len(outputs)))  # as fsdp's sharding record reads
+        ctx.n_tensors = n
+        saved, ctx.offload_devices = saved_on_host(record, inputs)
         ctx.save_for_backward(*saved)
-        # The forward may update buffers in place (BatchNorm statistics, EMAs); the
-        # recomputation must read them as the forward did. On XLA the copy shares the lazy
-        # value and costs nothing until the buffer changes.
-        ctx.buffers = [b.detach().clone() for b in call.owners.buffers]
-        call.capture_state(tensors)
-        versions = [t._version for t in inputs]
-        with _selective.active(None):  # an enclosing policy does not look inside
-            outputs = Flat.of(call.run(inputs))
-        check_inputs_unchanged(call, inputs, versions)
-        # Keep structure and non-tensor values only: holding the output tensors here would
-        # make a reference cycle through their grad_fn.
-        call.output_shardings = [_xla.sharding(t) for t in outputs.tensors]
-        call.outputs = outputs.without_tensors()
-        call.inputs = call.inputs.without_tensors()
         ctx.set_materialize_grads(False)
-        # A tensor the callable returns without computing it (a buffer, a global) would get
-        # this Function as its grad_fn in place; return an alias of it instead. Inputs returned
-        # as they are need no alias: autograd handles those.
-        ids = {id(t) for t in tensors}
-        out = tuple(t if id(t) in ids else t.detach() for t in outputs.tensors)
+        out = tuple(t.detach() for t in outputs)
         not_differentiable = [t for t in out if not (t.is_floating_point() or t.is_complex())]
         if not_differentiable:
             ctx.mark_non_differentiable(*not_differentiable)
@@ -70,31 +74,23 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        call: CheckpointCall = ctx.call
+        record: ForwardRecord = ctx.record
         if not torch.autograd._is_checkpoint_valid():
             raise CheckpointError(
-                f"{call.api}: checkpointed blocks support `loss.backward()` only, got "
+                f"{record.api}: the reentrant engine supports `loss.backward()` only, got "
                 "`torch.autograd.grad(...)` or `backward(inputs=...)`. The recomputation "
                 "accumulates gradients into every leaf it reaches, which those calls forbid. "
-                "Checkpoint with `use_reentrant=False`, whose engine supports them, or call "
-                "`loss.backward()` and read `.grad`."
+                "Checkpoint with `use_reentrant=False` (the default), whose engine supports "
+                "them, or call `loss.backward()` and read `.grad`."
             )
+        refuse_double_backward(record)
         present = [i for i, g in enumerate(grads) if g is not None]
         inputs = _offload.to_device(ctx.saved_tensors, ctx.offload_devices)
-        copies = barrier_for_recompute(
-            call,
-            inputs,
-            ctx.needs_input_grad[2 : 2 + len(inputs)],  # (call, anchor, *inputs, *params)
-            [g for g in grads if g is not None],
-            ctx.buffers,
-        )
-        with replaying(call, copies), _selective.active(None):
-            recomputed = Flat.of(call.run(copies.inputs))
-
-        assert call.outputs is not None
-        _check_same_outputs(call, call.outputs, recomputed)
-        for i, grad in zip(present, copies.grads, strict=True):
-            shard_like_output(grad, recomputed.tensors[i], call.output_shardings[i])
+        copies = barrier_for_recompute(record, inputs, [g for g in grads if g is not None])
+        with replaying(record, copies), _selective.active(None):
+            recomputed = Flat.of(record.run(copies.inputs))
+        _check_same_outputs(record, recomputed)
+        gradients_arrived(record, present, copies.grads, [recomputed.tensors[i] for i in present])
         pairs = [
             (recomputed.tensors[i], g)
             for i, g in zip(present, copies.grads, strict=True)
@@ -105,11 +101,13 @@ class CheckpointFunction(torch.autograd.Function):
             torch.autograd.backward(outs, out_grads)
         input_grads = [c.grad if c.requires_grad else None for c in copies.inputs]
         param_grads = [c.grad if c.requires_grad else None for c in copies.params]
-        return (None, None, *input_grads, *param_grads)
+        output_grads = [None] * (len(ctx.needs_input_grad) - 3 - ctx.n_tensors)
+        return (None, None, None, *input_grads, *param_grads, *output_grads)
 
 
-def _check_same_outputs(call: CheckpointCall, forward: Flat, again: Flat) -> None:
+def _check_same_outputs(record: ForwardRecord, again: Flat) -> None:
     """Refuse a recomputation that does not match the forward: its gradients would be wrong."""
+    forward = record.outputs
     problem = None
     if forward.spec != again.spec or forward.tensor_positions != again.tensor_positions:
         problem = (
@@ -124,4 +122,4 @@ def _check_same_outputs(call: CheckpointCall, forward: Flat, again: Flat) -> Non
                 problem = f"{got} at output leaf {position}, where the forward returned {expected}"
                 break
     if problem is not None:
-        raise_not_deterministic(call.api, f"returned {problem}")
+        raise_not_deterministic(record.api, f"returned {problem}")

@@ -21,71 +21,68 @@ placeholders.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _offload, _selective, _xla
+from . import _offload, _selective
 from . import checkpoint_policies as cp
 from ._errors import CheckpointError
 from ._recompute import (
     CheckpointCall,
+    ForwardRecord,
     barrier_for_recompute,
-    check_inputs_unchanged,
+    gradients_arrived,
     raise_not_deterministic,
+    record_forward,
+    refuse_double_backward,
     replaying,
-    shard_like_output,
+    saved_on_host,
 )
 from ._tree import Flat
 
 
-def run_nonreentrant(call: CheckpointCall, policy: cp.SavePolicy | None) -> Any:
-    """Run ``call`` once, saving placeholders, and return its output behind the gate."""
+def run_nonreentrant(call: CheckpointCall, inputs: Flat) -> Any:
+    """Run ``call`` on ``inputs`` once, saving placeholders, and return its output behind the
+    gate."""
+    policy = call.options.policy
     selection = None
     if policy is not None and policy is not cp.nothing_saveable:
         selection = _selective.Selection(call.api, policy)
-    frame = _Frame(call, selection)
-    inputs = call.inputs.tensors
+    frame = _Frame(call.api, selection)
+    running = _recording(frame, selection)
     with _selective.active(None):  # xla_wrap's own operations are nobody's to keep
-        # The forward may update buffers in place (BatchNorm statistics); the recomputation
-        # must read them as the forward did. On XLA the copy costs nothing until they change.
-        buffers = [b.detach().clone() for b in call.owners.buffers]
-        call.capture_state([*inputs, *call.owners.params])
-        versions = [t._version for t in inputs]
-        with ExitStack() as stack:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack))
-            stack.enter_context(selection.recording() if selection else _selective.active(None))
-            value = call.run(inputs)
-        outputs = Flat.of(value)
-        check_inputs_unchanged(call, inputs, versions)
-        # From here on the inputs live in the gate's saved tensors only: held by the call, they
-        # would live as long as the graph (an output of every XLA step that keeps the loss).
-        call.inputs = call.inputs.without_tensors()
+        record, outputs = record_forward(call, inputs, running)
         kept = selection.take_kept(outputs.tensors) if selection else []
-        gated = [i for i, t in enumerate(outputs.tensors) if t.requires_grad]
+        gated = tuple(i for i, t in enumerate(outputs.tensors) if t.requires_grad)
         if not gated:
-            return value
-        # Indexed like the gate's outputs, as record_output_sharding finds them.
-        call.output_shardings = [_xla.sharding(outputs.tensors[i]) for i in gated]
-        offload = [call.offload_to_cpu] * len(inputs) + [
-            call.offload_to_cpu or decision is cp.Decision.OFFLOAD
-            for decision in (selection.decisions if selection else [])
-        ]
-        frame.inputs_require_grad = [t.requires_grad for t in inputs]
-        frame.on_xla = any(
-            _xla.is_xla_tensor(t) for t in (*inputs, *call.owners.params, *outputs.tensors)
-        )
+            return outputs.rebuild(outputs.tensors)
+        decisions = selection.decisions if selection else []
         through = _OutputGate.apply(
-            frame, [*inputs, *kept], offload, buffers, *(outputs.tensors[i] for i in gated)
+            frame,
+            record,
+            gated,
+            [*inputs.tensors, *kept],
+            [decision is cp.Decision.OFFLOAD for decision in decisions],
+            *(outputs.tensors[i] for i in gated),
         )
     tensors = list(outputs.tensors)
     for i, tensor in zip(gated, through, strict=True):
         tensors[i] = tensor
     return outputs.rebuild(tensors)
+
+
+@contextmanager
+def _recording(frame: _Frame, selection: _selective.Selection | None) -> Iterator[None]:
+    """The block's forward: placeholders for what its graph saves, the policy deciding."""
+    with (
+        torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack),
+        selection.recording() if selection else _selective.active(None),
+    ):
+        yield
 
 
 @dataclass(frozen=True)
@@ -126,16 +123,15 @@ class _StopRecomputation(BaseException):
 
 
 class _Frame:
-    """One checkpointed call of the non-reentrant engine."""
+    """The saved-tensor bookkeeping of one call: what the forward saved (placeholders stand in
+    for it in the block's graph), and per backward what the recomputation made instead."""
 
-    def __init__(self, call: CheckpointCall, selection: _selective.Selection | None) -> None:
-        self.call = call
+    def __init__(self, api: str, selection: _selective.Selection | None) -> None:
+        self.api = api
         self.selection = selection
         self.saved: list[_SavedMeta] = []
         # per backward (graph task id): position in `saved` -> recomputed tensor
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
-        self.inputs_require_grad: list[bool] = []
-        self.on_xla = False
 
     def pack(self, tensor: torch.Tensor) -> _Placeholder:
         self.saved.append(_SavedMeta.of(tensor))
@@ -143,14 +139,13 @@ class _Frame:
 
     def recompute(
         self,
+        record: ForwardRecord,
         inputs: Sequence[torch.Tensor],
         kept: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
-        buffers: Sequence[torch.Tensor],
     ) -> list[torch.Tensor]:
         """Recompute what the block's graph saved, behind the barrier; the barriered grads."""
-        call = self.call
-        copies = barrier_for_recompute(call, inputs, self.inputs_require_grad, grads, buffers, kept)
+        copies = barrier_for_recompute(record, inputs, grads, kept)
         if not self.saved:
             return copies.grads
         store: dict[int, torch.Tensor] = {}
@@ -158,12 +153,12 @@ class _Frame:
         def pack(tensor: torch.Tensor) -> int:
             index = len(store)
             if index >= len(self.saved):  # possible on XLA only, where nothing stops early
-                raise_not_deterministic(call.api, f"saved more than the {len(self.saved)} tensors")
+                raise_not_deterministic(self.api, f"saved more than the {len(self.saved)} tensors")
             expected = self.saved[index]
             got = _SavedMeta.of(tensor)
             if (got.shape, got.dtype) != (expected.shape, expected.dtype):
                 raise_not_deterministic(
-                    call.api,
+                    self.api,
                     f"saved {got} as tensor {index} for backward, where the forward saved "
                     f"{expected}",
                 )
@@ -171,23 +166,23 @@ class _Frame:
             # Stop early on eager devices only. On XLA the rest of the block is dead code the
             # compiler drops, and stopping would leave wrappers inside the block mid-forward
             # (XLA FSDP's state machine then refuses the next backward hook).
-            if len(store) == len(self.saved) and not self.on_xla:
+            if len(store) == len(self.saved) and not record.on_xla:
                 raise _StopRecomputation(self)
             return index
 
         with ExitStack() as stack:
-            stack.enter_context(replaying(call, copies))
+            stack.enter_context(replaying(record, copies))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked))
             if self.selection is not None:
                 stack.enter_context(self.selection.substituting(copies.kept))
             try:
-                call.run(copies.inputs)
+                record.run(copies.inputs)
             except _StopRecomputation as stop:
                 if stop.frame is not self:
                     raise
         if len(store) < len(self.saved):
             raise_not_deterministic(
-                call.api,
+                self.api,
                 f"saved {len(store)} tensors for backward, where the forward saved "
                 f"{len(self.saved)}; the first missing one is {self.saved[len(store)]}",
             )
@@ -207,7 +202,7 @@ def _unpack(placeholder: _Placeholder) -> torch.Tensor:
     tensor = store.pop(placeholder.index, None)
     if tensor is None:
         raise CheckpointError(
-            f"{frame.call.api}: backward needed a tensor saved inside a checkpointed block "
+            f"{frame.api}: backward needed a tensor saved inside a checkpointed block "
             "before the gradients of the block's outputs arrived, so it cannot be recomputed "
             "behind the barrier. A value computed inside the block reached the loss (or "
             "`torch.autograd.grad`) without passing through the block's return value, or a "
@@ -221,25 +216,26 @@ def _never_unpacked(index: int) -> torch.Tensor:
 
 
 class _OutputGate(torch.autograd.Function):
-    """``apply(frame, residuals, offload, buffers, *outputs)`` -> aliases of the block's outputs
-    that require grad; their backward recomputes the block behind the barrier before the
-    block's graph runs. ``residuals`` are the block's inputs, then the values a policy kept;
-    ``offload`` says which of them wait in host memory."""
+    """``apply(frame, record, gated, residuals, offload, *outputs)`` -> aliases of the block's
+    outputs that require grad (output tensors ``gated`` of the record); their backward
+    recomputes the block behind the barrier before the block's graph runs. ``residuals`` are
+    the block's inputs, then the values a policy kept; ``offload`` flags the kept values that
+    wait in host memory."""
 
     @staticmethod
     def forward(
         ctx: Any,
         frame: _Frame,
+        record: ForwardRecord,
+        gated: tuple[int, ...],
         residuals: list[torch.Tensor],
         offload: list[bool],
-        buffers: list[torch.Tensor],
         *outputs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.frame = frame
-        ctx.split = len(frame.inputs_require_grad)  # residuals[:split] are the inputs
-        ctx.buffers = buffers
-        ctx.call = frame.call  # lets record_output_sharding find this checkpoint
-        saved, ctx.offload_devices = _offload.to_host(residuals, offload)
+        ctx.record = record
+        ctx.output_positions = gated  # as fsdp's sharding record reads
+        saved, ctx.offload_devices = saved_on_host(record, residuals, offload)
         # Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
         # checkpoint swaps them for placeholders of its own.
         ctx.save_for_backward(*saved)
@@ -247,20 +243,21 @@ class _OutputGate(torch.autograd.Function):
         return tuple(t.detach() for t in outputs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         frame: _Frame = ctx.frame
+        record: ForwardRecord = ctx.record
+        refuse_double_backward(record)
         saved = _offload.to_device(ctx.saved_tensors, ctx.offload_devices)
+        split = len(record.inputs_require_grad)  # saved[:split] are the block's inputs
         present = [i for i, g in enumerate(grads) if g is not None]
         with _selective.active(None):
             copies = frame.recompute(
-                saved[: ctx.split],
-                saved[ctx.split :],
-                [g for g in grads if g is not None],
-                ctx.buffers,
+                record, saved[:split], saved[split:], [g for g in grads if g is not None]
             )
+        gradients_arrived(
+            record, [ctx.output_positions[i] for i in present], copies, [None] * len(present)
+        )
         out: list[torch.Tensor | None] = [None] * len(grads)
         for i, grad in zip(present, copies, strict=True):
-            shard_like_output(grad, None, frame.call.output_shardings[i])
             out[i] = grad
-        return (None, None, None, None, *out)
+        return (None, None, None, None, None, *out)

@@ -15,7 +15,6 @@ recomputation, so the copy back cannot start before the gradients arrive either.
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,8 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from . import _xla
-
-_local = threading.local()
+from ._state import local
 
 
 def to_host(
@@ -70,18 +68,18 @@ def to_device(
 
 
 def _annotating() -> bool:
-    return bool(getattr(_local, "any_backend", False)) or _xla.host_offload_supported()
+    return local.annotate_offload_anywhere or _xla.host_offload_supported()
 
 
 @contextmanager
 def annotating_on_any_backend() -> Iterator[None]:
     """Emit the host-placement annotations even where the backend cannot execute them, to read
     the HLO a supporting backend would get. Never execute what is traced inside."""
-    _local.any_backend = True
+    previous, local.annotate_offload_anywhere = local.annotate_offload_anywhere, True
     try:
         yield
     finally:
-        _local.any_backend = False
+        local.annotate_offload_anywhere = previous
 
 
 @functools.cache

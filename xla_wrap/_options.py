@@ -8,11 +8,11 @@ from typing import Any
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 
-# The engine when the caller does not choose: the reentrant one. On XLA both engines give the
-# same program (docs/policies.md has the figures); the reentrant one runs the whole block again
-# on every device, so module hooks and side effects in the recomputation happen as in 0.1, and
-# the non-reentrant one is chosen by passing use_reentrant=False or a save policy.
-DEFAULT_REENTRANT = True
+# The engine when the caller does not choose: the non-reentrant one (docs/policies.md, "The two
+# engines"). On XLA both compile to the same program; on eager devices only the non-reentrant
+# one accumulates gradients in the unwrapped model's order (bitwise equal for encoder-decoders
+# too), supports torch.autograd.grad and skips blocks that need no gradient.
+DEFAULT_REENTRANT = False
 
 #: The keyword options every checkpointing API accepts.
 OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
@@ -24,8 +24,8 @@ class CheckpointOptions:
 
     Attributes:
         preserve_rng_state: Replay the random generators in the recomputation.
-        use_reentrant: Which engine runs: True for the reentrant one, False for the
-            non-reentrant one (needed by save policies and ``torch.autograd.grad``).
+        use_reentrant: Which engine runs: False (the default) for the non-reentrant one,
+            True for the reentrant one.
         policy: The save policy of the non-reentrant engine; None recomputes everything.
         offload_to_cpu: Keep what the checkpoint saves in host memory.
     """
@@ -58,8 +58,8 @@ def make_options(
 ) -> CheckpointOptions:
     """Check the options once, for every API that takes them, and choose the engine.
 
-    The reentrant engine is the default (:data:`DEFAULT_REENTRANT`); a save policy selects the
-    non-reentrant one, which alone can apply it.
+    The non-reentrant engine is the default (:data:`DEFAULT_REENTRANT`); it alone can apply a
+    save policy.
     """
     if use_reentrant is not None and not isinstance(use_reentrant, bool):
         raise CheckpointTypeError(

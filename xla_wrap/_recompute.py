@@ -1,5 +1,5 @@
-"""What both checkpoint engines share: the record of a call, the barrier before recomputing,
-and the state the recomputation runs under.
+"""The core both checkpoint engines share: the description of a call, the record of its
+forward, the barrier before recomputing, and the state the recomputation runs under.
 
 Recomputation survives XLA only with JAX's recipe (and the seed discussion's): the values the
 recomputation starts from, the incoming output gradients, and the parameters and buffers of the
@@ -8,53 +8,115 @@ outputs makes the recomputation a different value for XLA (common-subexpression 
 cannot merge it back into the forward) and makes it wait for the gradients (it cannot be
 scheduled early, where it would keep activations alive again).
 
-Under SPMD the barrier's outputs carry no sharding: XLA's sharding propagation does not pass
-through it, and the partitioner then replicates the recomputation and gathers its activations
-in full. Each incoming gradient is therefore annotated with the sharding of the output it
-belongs to (recorded in the forward, or found on the recomputed output).
+Both engines run the forward through :func:`record_forward`, which makes every snapshot and
+check in one place and returns a :class:`ForwardRecord` that nothing changes afterwards. What
+a composition adds (FSDP, SPMD shardings) comes in through :mod:`._hooks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _autocast, _rng, _xla
+from . import _autocast, _hooks, _offload, _rng, _xla
 from ._barrier import barriered
 from ._errors import CheckpointError
 from ._module_tensors import ModuleTensors
+from ._options import CheckpointOptions
 from ._state import recomputing
 from ._tree import Flat, TensorMeta
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointCall:
-    """One checkpointed call: what to run, on what, and what its forward recorded."""
+    """One checkpointed call, described before it runs: what to run, whose parameters and
+    buffers join the barrier, and with which options."""
 
     api: str
     function: Callable[..., Any]
-    inputs: Flat  # flattened (args, kwargs)
     owners: ModuleTensors
-    preserve_rng_state: bool
-    offload_to_cpu: bool = False
-    rng: _rng.RngSnapshot | None = None
-    autocast: _autocast.AutocastSnapshot | None = None
-    outputs: Flat | None = field(default=None, repr=False)
-    output_shardings: list[object | None] = field(default_factory=list, repr=False)
+    options: CheckpointOptions
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """What the forward of a :class:`CheckpointCall` left for its backward. Made by
+    :func:`record_forward` only; it holds no activation and no input tensor (those live in the
+    engines' saved tensors, which autograd frees with the graph)."""
+
+    call: CheckpointCall
+    inputs: Flat  # the (args, kwargs) structure, tensor leaves as TensorMeta
+    outputs: Flat  # the returned structure, tensor leaves as TensorMeta
+    inputs_require_grad: tuple[bool, ...]
+    buffers: tuple[torch.Tensor, ...]  # the owners' buffers as the forward read them
+    rng: _rng.RngSnapshot | None
+    autocast: _autocast.AutocastSnapshot
+    on_xla: bool
+    hooks: tuple[tuple[_hooks.CheckpointHook, object], ...]  # each hook with its state
+
+    @property
+    def api(self) -> str:
+        return self.call.api
 
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
+        """Call the function on the forward's arguments with ``inputs`` as their tensors."""
         args, kwargs = self.inputs.rebuild(inputs)
-        return self.function(*args, **kwargs)
+        return self.call.function(*args, **kwargs)
 
-    def capture_state(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Record the generators and autocast settings the forward starts with."""
-        if self.preserve_rng_state:
-            self.rng = _rng.capture([*tensors, *self.owners.buffers])
-        self.autocast = _autocast.capture()
+    def hook_state(self, hook: _hooks.CheckpointHook) -> object:
+        """What ``hook`` recorded in this forward (None if it was not installed then)."""
+        return next((state for h, state in self.hooks if h is hook), None)
+
+
+def record_forward(
+    call: CheckpointCall, inputs: Flat, running: AbstractContextManager[Any]
+) -> tuple[ForwardRecord, Flat]:
+    """Run ``call`` once on ``inputs`` inside the engine's ``running`` context, and record
+    what its backward needs: generator and autocast state, the buffers as read, the structure
+    of inputs and outputs, and what each installed hook remembers about the outputs.
+
+    Returns the record and the outputs (with their tensors). Raises if the call modified an
+    input in place: the recomputation would start from the modified value.
+    """
+    tensors = inputs.tensors
+    owners = call.owners
+    # The forward may update buffers in place (BatchNorm statistics, EMAs); the recomputation
+    # must read them as the forward did. On XLA the copy shares the lazy value and costs
+    # nothing until the buffer changes.
+    buffers = tuple(b.detach().clone() for b in owners.buffers)
+    rng = _rng.capture([*tensors, *owners.params, *owners.buffers])
+    autocast = _autocast.capture()
+    versions = [t._version for t in tensors]
+    with running:
+        args, kwargs = inputs.rebuild(tensors)
+        outputs = Flat.of(call.function(*args, **kwargs))
+    _check_inputs_unchanged(call.api, tensors, versions)
+    record = ForwardRecord(
+        call=call,
+        inputs=inputs.without_tensors(),
+        outputs=outputs.without_tensors(),
+        inputs_require_grad=tuple(t.requires_grad for t in tensors),
+        buffers=buffers,
+        rng=rng if call.options.preserve_rng_state else None,
+        autocast=autocast,
+        on_xla=any(_xla.is_xla_tensor(t) for t in (*tensors, *owners.params, *outputs.tensors)),
+        hooks=tuple((hook, hook.on_forward(outputs.tensors)) for hook in _hooks.installed()),
+    )
+    return record, outputs
+
+
+def saved_on_host(
+    record: ForwardRecord, residuals: Sequence[torch.Tensor], offload: Sequence[bool] = ()
+) -> tuple[list[torch.Tensor], list[torch.device | None]]:
+    """The tensors a gate saves for backward (the block's inputs, then ``offload``-flagged
+    kept values), moved to host memory where the options or flags say so."""
+    wanted = [record.call.options.offload_to_cpu] * (len(residuals) - len(offload))
+    wanted += [record.call.options.offload_to_cpu or flag for flag in offload]
+    return _offload.to_host(residuals, wanted)
 
 
 @dataclass(frozen=True)
@@ -69,25 +131,24 @@ class Barriered:
 
 
 def barrier_for_recompute(
-    call: CheckpointCall,
+    record: ForwardRecord,
     inputs: Sequence[torch.Tensor],
-    inputs_require_grad: Sequence[bool],
     grads: Sequence[torch.Tensor],
-    buffers: Sequence[torch.Tensor],
     kept: Sequence[torch.Tensor] = (),
 ) -> Barriered:
     """Put the saved ``inputs``, the values a save policy ``kept``, the incoming ``grads`` and
-    the owners' parameters and ``buffers`` (as the forward read them) through one barrier.
+    the owners' parameters and buffers (as the forward read them) through one barrier.
 
     Saved inputs, kept values and gradients are rewritten in place (their other readers then
     need no pre-barrier copy); parameters and buffers are copied (module state stays). Under
     SPMD, inputs that are program inputs (data, masks) are copied too: rewritten, they would
     come out of the step with another sharding and recompile the next one. The copies of inputs
-    require grad as ``inputs_require_grad`` says (as the forward's inputs did: a saved input
-    brought back from the host does not), and those of parameters as the parameters do, so the
-    recomputation builds the same graph.
+    require grad as the forward's inputs did (a saved input brought back from the host does
+    not), and those of parameters as the parameters do, so the recomputation builds the same
+    graph.
     """
-    params = call.owners.params
+    params = record.call.owners.params
+    buffers = record.buffers
     spmd = _xla.spmd_active()
     n = [len(inputs), len(kept), len(grads), len(params), len(buffers)]
     copies = barriered(
@@ -101,7 +162,7 @@ def barrier_for_recompute(
         groups.append(copies[:size])
         copies = copies[size:]
     input_copies, kept_copies, grad_copies, param_copies, buffer_copies = groups
-    for copy, requires_grad in zip(input_copies, inputs_require_grad, strict=True):
+    for copy, requires_grad in zip(input_copies, record.inputs_require_grad, strict=True):
         copy.requires_grad_(requires_grad)
     for copy, param in zip(param_copies, params, strict=True):
         copy.requires_grad_(param.requires_grad)
@@ -112,75 +173,57 @@ def barrier_for_recompute(
 
 
 @contextmanager
-def replaying(call: CheckpointCall, copies: Barriered) -> Iterator[None]:
+def replaying(record: ForwardRecord, copies: Barriered) -> Iterator[None]:
     """Run the block as its forward ran: same generators and autocast settings, the barriered
     parameters and buffers in the modules' slots, gradients recorded, and
     :func:`xla_wrap.is_recomputing` true."""
     with ExitStack() as stack:
         stack.enter_context(recomputing())
         stack.enter_context(_xla.checkpoint_backward_status())
-        if call.rng is not None:
-            stack.enter_context(_rng.replay(call.rng))
-        if call.autocast is not None:
-            stack.enter_context(_autocast.replay(call.autocast))
-        stack.enter_context(call.owners.substituted(copies.params, copies.buffers))
+        if record.rng is not None:
+            stack.enter_context(_rng.replay(record.rng))
+        stack.enter_context(_autocast.replay(record.autocast))
+        stack.enter_context(record.call.owners.substituted(copies.params, copies.buffers))
         stack.enter_context(torch.enable_grad())
         yield
 
 
-def shard_like_output(
-    grad: torch.Tensor, output: torch.Tensor | None, forward_sharding: object | None
+def gradients_arrived(
+    record: ForwardRecord,
+    positions: Sequence[int],
+    grads: Sequence[torch.Tensor],
+    recomputed: Sequence[torch.Tensor | None],
 ) -> None:
-    """Give a barriered gradient the sharding of its output, if that output had one."""
-    if _xla.sharding(grad) is not None:
-        return
-    op_sharding = (_xla.sharding(output) if output is not None else None) or forward_sharding
-    if op_sharding is not None:
-        _xla.shard_like(grad, op_sharding)
-    elif _xla.is_xla_tensor(grad) and _xla.spmd_active():
-        _xla.warn_unsharded_gradient_once()
+    """Hand each barriered gradient (of output tensor ``positions[i]``) to the hooks before
+    the block's backward reads it; ``recomputed`` are the matching recomputed outputs, or None
+    where the engine has none."""
+    for hook, state in record.hooks:
+        for position, grad, output in zip(positions, grads, recomputed, strict=True):
+            hook.on_gradient(state, position, grad, output)
 
 
-def record_output_sharding(output: torch.Tensor) -> None:
-    """Record the sharding given to ``output`` after a checkpoint returned it.
-
-    SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
-    made of the checkpoint's output. This walks from ``output`` back through such pass-through
-    nodes to the checkpoint that produced it (either engine's node carries its
-    :class:`CheckpointCall`), so that its backward shards the gradient the same way. An output
-    that no checkpoint produced, or that has no sharding, is left alone.
-    """
-    op_sharding = _xla.sharding(output)
-    if op_sharding is None:
-        return
-    node, index = output.grad_fn, output.output_nr
-    for _ in range(_MAX_ALIAS_HOPS):
-        if node is None:
-            return
-        call = getattr(node, "call", None)
-        if isinstance(call, CheckpointCall):
-            if index < len(call.output_shardings):
-                call.output_shardings[index] = op_sharding
-            return
-        if type(node).__name__ not in _PASS_THROUGH_NODES:
-            return
-        node, index = node.next_functions[index]
+def refuse_double_backward(record: ForwardRecord) -> None:
+    """Refuse ``create_graph=True``: the recomputation is differentiated without a graph of
+    its own, so second derivatives through the block would be silently wrong."""
+    if torch.is_grad_enabled():
+        raise CheckpointError(
+            f"{record.api}: double backward (`create_graph=True`, as in gradient penalties or "
+            "Hessian-vector products) through a checkpointed block is not supported: the "
+            "recomputation is differentiated once, without a graph of its own. Leave the "
+            "blocks whose second derivatives you need unwrapped (or compute that term in a "
+            "separate forward without checkpointing)."
+        )
 
 
-# Autograd nodes that hand their inputs on unchanged, one output per input.
-_PASS_THROUGH_NODES = {"BackwardHookFunctionBackward", "AliasBackward0"}
-_MAX_ALIAS_HOPS = 4
-
-
-def check_inputs_unchanged(
-    call: CheckpointCall, inputs: Sequence[torch.Tensor], versions: Sequence[int]
+def _check_inputs_unchanged(
+    api: str, inputs: Sequence[torch.Tensor], versions: Sequence[int]
 ) -> None:
     """Refuse a callable that modified its inputs in place: the recomputation would start from
     the modified values and give wrong gradients without any error."""
     for index, (tensor, version) in enumerate(zip(inputs, versions, strict=True)):
         if tensor._version != version:
             raise CheckpointError(
-                f"{call.api}: the checkpointed callable modified its input tensor {index} "
+                f"{api}: the checkpointed callable modified its input tensor {index} "
                 f"({TensorMeta.of(tensor)}) in place; the recomputation in backward would start "
                 "from the modified value and give wrong gradients. Make that operation "
                 "out-of-place (for example `nn.ReLU(inplace=False)` as the block's first layer) "

@@ -15,7 +15,6 @@ step closure, gives the next step the base seed XLA would have given it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _xla
+from ._state import local
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,9 @@ class _StepBaseSeed:
     """Per device and thread: the base seed of the current step, from the first replay in the
     step until the step marker, and the last seed a replay wrote.
 
-    The state is thread-local, created by the first replay of a step and removed by the step
-    closure that replay registers, so it cannot outlive the step it describes.
+    The table is thread-local (:data:`._state.local`), filled by the first replay of a step and
+    emptied by the step closure that replay registers, so it cannot outlive its step.
     """
-
-    _local = threading.local()
 
     def __init__(self, base: int) -> None:
         self.base = base
@@ -110,9 +108,7 @@ class _StepBaseSeed:
 
     @classmethod
     def _table(cls) -> dict[torch.device, _StepBaseSeed]:
-        table = getattr(cls._local, "table", None)
-        if table is None:
-            table = cls._local.table = {}
+        table: dict[torch.device, _StepBaseSeed] = local.step_seeds
         return table
 
     @classmethod

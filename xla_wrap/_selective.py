@@ -16,7 +16,6 @@ checkpoint is the innermost one running.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,24 +28,22 @@ from torch.utils import _pytree as pytree
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, describe
 from ._recompute import raise_not_deterministic
+from ._state import local
 from ._tree import Flat
-
-_local = threading.local()
 
 
 @contextmanager
 def active(selection: Selection | None) -> Iterator[None]:
     """Make ``selection`` the innermost running one (``None`` hides the outer ones)."""
-    stack: list[Selection | None] = _local.__dict__.setdefault("stack", [])
-    stack.append(selection)
+    local.selections.append(selection)
     try:
         yield
     finally:
-        stack.pop()
+        local.selections.pop()
 
 
 def _current() -> Selection | None:
-    stack: list[Selection | None] = getattr(_local, "stack", [])
+    stack: list[Selection | None] = local.selections
     return stack[-1] if stack else None
 
 

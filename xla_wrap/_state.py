@@ -1,8 +1,9 @@
-"""Whether the current thread is recomputing a checkpointed forward.
+"""The package's one piece of mutable state: what the current thread is doing right now.
 
-Modules with side effects (counters, caches, logging) can ask :func:`is_recomputing` to run
-them once per step instead of twice. The flag lives in a thread-local and is only ever set by
-the :func:`recomputing` context manager, so an exception cannot leave it stuck.
+Every field is per thread and is changed only by a context manager that puts the previous
+value back in ``finally`` (the RNG step table is the one exception: a step closure empties it
+at the step marker it belongs to), so an exception cannot leave a flag stuck and two threads
+never see each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -10,15 +11,34 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-_local = threading.local()
+
+class ThreadState(threading.local):
+    """What xla_wrap is doing on the calling thread."""
+
+    def __init__(self) -> None:
+        # How many recomputations are running (they nest: a checkpoint inside a checkpoint).
+        self.recomputing = 0
+        # The save-policy selections of the running checkpoints, innermost last (None hides
+        # the outer ones from xla_wrap's own operations); see _selective.
+        self.selections: list[Any] = []
+        # Emit host-placement annotations even where the backend cannot run them (HLO reading).
+        self.annotate_offload_anywhere = False
+        # Per XLA device: the base seed of the current step and the last seed a replay wrote;
+        # see _rng.
+        self.step_seeds: dict[Any, Any] = {}
+
+
+local = ThreadState()
 
 
 def is_recomputing() -> bool:
     """Return True while a checkpointed forward is being recomputed for backward.
 
-    The flag is per thread and is True only inside the recomputation, never during the
-    original forward.
+    Modules with side effects (counters, caches, logging) can ask this to run them once per
+    step instead of twice. The flag is per thread and is True only inside the recomputation,
+    never during the original forward.
 
     Returns:
         Whether the calling thread is inside a recomputation.
@@ -28,14 +48,14 @@ def is_recomputing() -> bool:
         >>> xla_wrap.is_recomputing()
         False
     """
-    return getattr(_local, "depth", 0) > 0
+    return local.recomputing > 0
 
 
 @contextmanager
 def recomputing() -> Iterator[None]:
     """Mark the calling thread as recomputing for the duration of the block (nestable)."""
-    _local.depth = getattr(_local, "depth", 0) + 1
+    local.recomputing += 1
     try:
         yield
     finally:
-        _local.depth -= 1
+        local.recomputing -= 1

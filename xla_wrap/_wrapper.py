@@ -1,155 +1,214 @@
-"""``CheckpointWrapper``: an ``nn.Module`` proxy that checkpoints every call of a module.
+"""``checkpoint_wrapper``: a module that checkpoints every call of itself, and stays what it is.
 
-The proxy *shares* the wrapped module's ``_parameters``, ``_buffers`` and ``_modules`` dicts and
-keeps the module itself outside ``_modules``. A parent therefore sees exactly the unwrapped
-names in ``state_dict``, ``named_parameters``, ``named_buffers`` and ``named_modules`` (no
-``_checkpoint_wrapped_module.`` prefix, the complaint users file against PyTorch's wrapper),
-and optimizers, ``.to()``, ``deepcopy`` and pickling act on the same tensors.
+Wrapping does not put the module inside another one. As PyTorch's FSDP2 ``fully_shard`` does,
+the module's class is swapped, in place, for a generated subclass (one per class, cached) whose
+``forward`` runs the original one under :func:`xla_wrap.checkpoint`. The module therefore keeps
+its identity, its class (``isinstance``), its place and name in the module tree
+(``modules()``, ``named_modules()``, ``apply``), and every parameter, buffer, submodule and
+attribute where its own code looks for them, so tools that walk, rename, shard or re-assign
+module state (FSDP auto-wrap policies, torch_xla FSDP's parameter swaps,
+``object.__setattr__``) work on it as on the unwrapped module. ``state_dict`` keys and
+parameter names never change.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
+from . import _hooks
 from ._checkpoint import run_checkpointed
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._options import CheckpointOptions, make_options
 from .checkpoint_policies import SavePolicy
 
-# state_dict hook tables: shared, so hooks registered on either object run exactly once, from
-# the module's own state_dict / load path.
-_SHARED_HOOK_TABLES = (
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
+M = TypeVar("M", bound=nn.Module)
+
+# Keys in a wrapped module's __dict__.
+_OPTIONS = "_checkpoint_options"
+_INSTANCE_FORWARD = "_checkpoint_instance_forward"  # a `forward` set on the instance before
 
 
 class CheckpointWrapper(nn.Module):
-    """A module that runs the wrapped module under :func:`xla_wrap.checkpoint`.
+    """The base of every checkpointed module's class: ``isinstance(m, CheckpointWrapper)``
+    tells whether ``m`` is checkpointed. Made by :func:`checkpoint_wrapper`, never directly.
 
-    Create it with :func:`checkpoint_wrapper`. Attribute access, indexing, ``len`` and iteration
-    fall through to the wrapped module, which stays reachable as :attr:`checkpoint_module`.
+    A checkpointed module of class ``Block`` is an instance of a generated class whose bases
+    are this class and ``Block``; its ``__name__`` is ``Block``'s (tools that find layers by
+    class name still find it) and it pickles and deep-copies as a checkpointed ``Block``.
     """
 
-    def __init__(self, module: nn.Module, options: CheckpointOptions) -> None:
-        super().__init__()
-        # Share the containers instead of registering `module` as a child: the parent then
-        # names every tensor exactly as it would without the wrapper.
-        self.__dict__["_checkpoint_module"] = module
-        self.__dict__["_checkpoint_options"] = options
-        for table in (
-            "_parameters",
-            "_buffers",
-            "_modules",
-            "_non_persistent_buffers_set",
-            *_SHARED_HOOK_TABLES,
-        ):
-            self.__dict__[table] = getattr(module, table)
-        self.__dict__["training"] = module.training
+    # The class the generated class was made for; set on each generated class.
+    _checkpoint_base: type[nn.Module]
 
-    @property
-    def checkpoint_module(self) -> nn.Module:
-        """The wrapped module."""
-        module: nn.Module = self.__dict__["_checkpoint_module"]
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        base = cls.__dict__.get("_checkpoint_base")
+        if base is None:
+            raise CheckpointTypeError(
+                "xla_wrap.CheckpointWrapper: expected to be made by checkpoint_wrapper, got a "
+                "direct construction. Call `xla_wrap.checkpoint_wrapper(module, ...)`."
+            )
+        # A checkpointed module building another of its own class (nn.Sequential slicing
+        # does `type(self)(...)`) gets a plain one, as FSDP2 does: the new module is not
+        # checkpointed unless wrapped.
+        module = base.__new__(base)
+        module.__init__(*args, **kwargs)
         return module
 
     @property
     def checkpoint_options(self) -> CheckpointOptions:
-        """The options this wrapper checkpoints with."""
-        options: CheckpointOptions = self.__dict__["_checkpoint_options"]
+        """The options this module checkpoints with."""
+        options: CheckpointOptions = self.__dict__[_OPTIONS]
         return options
 
+    @property
+    def checkpoint_module(self) -> nn.Module:
+        """The checkpointed module: this module itself (kept for code written against the
+        0.1 proxy, where it was the wrapped module)."""
+        return self
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.checkpoint_module
+        inner = self.__dict__.get(_INSTANCE_FORWARD) or super().forward
         return run_checkpointed(
-            "xla_wrap.CheckpointWrapper",
-            module,
+            "xla_wrap.checkpoint_wrapper",
+            inner,
             args,
             kwargs,
-            owners=(module,),
+            owners=(self,),
             options=self.checkpoint_options,
         )
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self.__dict__.get("_checkpoint_module")
-            if module is None:  # half-built (unpickling): nothing to fall through to
-                raise
-            return getattr(module, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # nn.Module's own bookkeeping (hook flags, `training`, compiled call) stays on the
-        # wrapper. Everything else goes to the wrapped module, which registers parameters,
-        # buffers and submodules in the dicts both share, and keeps plain attributes where its
-        # forward reads them.
-        # `__class__` stays too: FSDP2's fully_shard swaps the class of the module it shards.
-        module = self.__dict__.get("_checkpoint_module")
-        if module is None or name == "__class__" or name in self.__dict__:
-            super().__setattr__(name, value)
-            if module is None or name != "training":
-                return
-        setattr(module, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        delattr(self.checkpoint_module, name)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.checkpoint_module[index]  # type: ignore[index]
-
-    def __len__(self) -> int:
-        return len(self.checkpoint_module)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.checkpoint_module)  # type: ignore[call-overload]
-
-    def __bool__(self) -> bool:
-        return bool(self.checkpoint_module)
-
-    def train(self, mode: bool = True) -> CheckpointWrapper:
-        self.checkpoint_module.train(mode)  # honours a `train` override of the module
-        self.__dict__["training"] = mode
-        return self
-
-    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> CheckpointWrapper:
-        # The shared dicts see every replaced tensor; the module's own `_apply` override runs.
-        self.checkpoint_module._apply(fn, recurse)
-        return self
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.checkpoint_module.state_dict(*args, **kwargs)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self.checkpoint_module._load_from_state_dict(*args, **kwargs)
-
     def __repr__(self) -> str:
-        return f"CheckpointWrapper({self.checkpoint_module!r})"
+        return f"CheckpointWrapper({super().__repr__()})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The generated class cannot be pickled by name; rebuild it from the wrapped class.
+        # A class derived from it again (FSDP2 swaps classes too) pickles as its owner allows.
+        cls = type(self)
+        if "_checkpoint_base" not in cls.__dict__:
+            return super().__reduce_ex__(protocol)
+        return (_new_checkpointed, (cls._checkpoint_base,), self.__dict__)
+
+
+def checkpointed_class(base: type[nn.Module]) -> type[CheckpointWrapper]:
+    """The generated checkpointed class for modules of class ``base``: one per class, so that
+    every checkpointed ``Block`` has the same class, as ``type(a) is type(b)`` checks expect."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        namespace = {
+            "_checkpoint_base": base,
+            "__module__": base.__module__,
+            "__qualname__": f"{base.__qualname__}[checkpointed]",
+            "__doc__": base.__doc__,
+        }
+        metaclass: Any = type(base)
+        made = metaclass(base.__name__, (CheckpointWrapper, base), namespace)
+        cls = _CLASSES.setdefault(base, made)  # a racing thread's class wins, once
+    return cls
+
+
+# The cache behind checkpointed_class; it only ever grows by one class per wrapped class.
+_CLASSES: dict[type[nn.Module], type[CheckpointWrapper]] = {}
+
+
+def _new_checkpointed(base: type[nn.Module]) -> CheckpointWrapper:
+    """An empty checkpointed module of class ``base``, for unpickling and deep copies."""
+    cls = checkpointed_class(base)
+    module: CheckpointWrapper = nn.Module.__new__(cls)
+    return module
+
+
+def checkpoint_in_place(
+    api: str, module: nn.Module, options: CheckpointOptions
+) -> CheckpointWrapper:
+    """Make ``module`` checkpoint every call with ``options``; the one place that does it."""
+    if isinstance(module, CheckpointWrapper):
+        if module.checkpoint_options == options:
+            return module
+        raise CheckpointValueError(
+            f"{api}: this {type(module).__name__} is already checkpointed with "
+            f"{module.checkpoint_options}, and got {options}. To change its options, undo the "
+            "checkpointing first: `xla_wrap.checkpoint_wrapper(xla_wrap.unwrap(module), ...)`."
+        )
+    for hook in _hooks.installed():
+        hook.check_module(api, module)
+    try:
+        cls = checkpointed_class(type(module))
+    except TypeError as error:
+        raise CheckpointTypeError(
+            f"{api}: cannot derive a checkpointed class from {type(module).__qualname__} "
+            f"({error}). Checkpoint the call instead: `xla_wrap.checkpoint(module, *args)`."
+        ) from None
+    if "forward" in module.__dict__:
+        # A forward set on the instance (accelerate's hooks, a patched method) would hide the
+        # class's; it becomes the function the checkpoint runs.
+        module.__dict__[_INSTANCE_FORWARD] = module.__dict__.pop("forward")
+    module.__dict__[_OPTIONS] = options
+    module.__class__ = cls
+    return module  # type: ignore[return-value]  # its class is now `cls`
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Undo :func:`checkpoint_wrapper` in place: ``module`` gets its own class back and is no
+    longer checkpointed. A module that is not checkpointed is returned as it is.
+
+    Args:
+        module: A module made by :func:`checkpoint_wrapper` (or any module).
+
+    Returns:
+        ``module``.
+
+    Raises:
+        CheckpointTypeError: If another library derived a class from the checkpointed one
+            since (FSDP2's ``fully_shard``), which cannot be undone without undoing that.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> layer = xla_wrap.checkpoint_wrapper(torch.nn.Linear(2, 2))
+        >>> type(xla_wrap.unwrap(layer)) is torch.nn.Linear
+        True
+    """
+    if not isinstance(module, CheckpointWrapper):
+        return module
+    cls = type(module)
+    base = cls.__dict__.get("_checkpoint_base")
+    if base is None:
+        raise CheckpointTypeError(
+            f"xla_wrap.unwrap: expected a module checkpointed by xla_wrap, got one whose class "
+            f"{cls.__qualname__} another library derived from the checkpointed class since. "
+            "Undo that library's wrapping first, or unwrap before it wraps."
+        )
+    module.__class__ = base
+    module.__dict__.pop(_OPTIONS, None)
+    forward = module.__dict__.pop(_INSTANCE_FORWARD, None)
+    if forward is not None:
+        module.__dict__["forward"] = forward
+    return module
 
 
 def checkpoint_wrapper(
-    module: nn.Module,
+    module: M,
     *,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
     policy: SavePolicy | str | None = None,
     offload_to_cpu: bool = False,
-) -> CheckpointWrapper:
-    """Wrap ``module`` so that every call of it is checkpointed with an optimization barrier.
+) -> M:
+    """Make ``module`` checkpoint every call of itself with an optimization barrier.
 
-    The wrapper is a drop-in replacement: put it where the module was (``model.block =
-    checkpoint_wrapper(model.block)``) and nothing else changes; parameter names, ``state_dict``
-    keys, optimizer groups and attribute access are those of the unwrapped model. The forward
-    accepts any positional and keyword arguments. Under ``torch.no_grad()`` it is a plain call.
+    The module is changed in place and returned: its class becomes a generated subclass of its
+    own class (also a :class:`CheckpointWrapper`) whose forward runs under
+    :func:`xla_wrap.checkpoint`. Nothing else changes: ``isinstance``, its place in the module
+    tree, parameter names, ``state_dict`` keys, optimizer groups and attribute access are those
+    of the unwrapped module, so ``model.block = checkpoint_wrapper(model.block)`` and
+    ``checkpoint_wrapper(model.block)`` do the same. The forward accepts any positional and
+    keyword arguments. Under ``torch.no_grad()`` it is a plain call. Hooks registered on the
+    module run once per call, around the checkpoint; hooks of its submodules also run in the
+    recomputation. :func:`unwrap` undoes it.
 
-    Wrapping a :class:`CheckpointWrapper` again with the same options returns it unchanged
-    (checkpoints are never nested by accident); with different options it raises.
+    Wrapping a checkpointed module again with the same options returns it unchanged
+    (checkpoints are never nested); with different options it raises.
 
     Args:
         module: The module to checkpoint.
@@ -163,11 +222,12 @@ def checkpoint_wrapper(
             :func:`xla_wrap.checkpoint`.
 
     Returns:
-        The wrapper.
+        ``module``, now checkpointed.
 
     Raises:
-        CheckpointTypeError: If ``module`` is not an ``nn.Module``.
-        CheckpointValueError: If ``module`` is already wrapped with other options, or
+        CheckpointTypeError: If ``module`` is not an ``nn.Module``, or its class cannot be
+            derived from.
+        CheckpointValueError: If ``module`` is already checkpointed with other options, or
             ``policy`` is unknown or given with ``use_reentrant=True``.
 
     Example:
@@ -189,41 +249,5 @@ def checkpoint_wrapper(
         policy=policy,
         offload_to_cpu=offload_to_cpu,
     )
-    if isinstance(module, CheckpointWrapper):
-        if module.checkpoint_options == options:
-            return module
-        raise CheckpointValueError(
-            f"xla_wrap.checkpoint_wrapper: this module is already a CheckpointWrapper with "
-            f"{module.checkpoint_options}, and got {options}. To change options, wrap the "
-            "inner module: `checkpoint_wrapper(wrapper.checkpoint_module, ...)`."
-        )
-    refuse_eager_fsdp_unit("xla_wrap.checkpoint_wrapper", module)
-    return CheckpointWrapper(module, options)
-
-
-def refuse_eager_fsdp_unit(api: str, module: nn.Module) -> None:
-    """Refuse to checkpoint around a unit of PyTorch's eager FSDP (FSDP1 or FSDP2).
-
-    The wrapper shares the unit's containers instead of registering it as a child, which hides
-    the unit from the FSDP root: FSDP2 then fails, and FSDP1 would keep the unit unsharded from
-    forward to backward. torch_xla's FSDP is not affected (docs/fsdp.md).
-    """
-    eager_fsdp = sys.modules.get("torch.distributed.fsdp")
-    if eager_fsdp is None:
-        return
-    classes = tuple(
-        cls
-        for cls in (
-            getattr(eager_fsdp, "FullyShardedDataParallel", None),
-            getattr(eager_fsdp, "FSDPModule", None),
-        )
-        if isinstance(cls, type)
-    )
-    if classes and isinstance(module, classes):
-        raise CheckpointTypeError(
-            f"{api}: expected a module that FSDP has not wrapped, got "
-            f"{type(module).__name__}, which is a unit of PyTorch's FSDP. Checkpoint inside "
-            "each unit instead: checkpoint the blocks before `fully_shard` or "
-            "`FullyShardedDataParallel` wraps them, or apply_activation_checkpointing to the "
-            "FSDP1-wrapped model with a policy that selects the blocks (docs/fsdp.md)."
-        )
+    checkpoint_in_place("xla_wrap.checkpoint_wrapper", module, options)
+    return module

@@ -14,21 +14,27 @@ With SPMD FSDPv2 pass ``fsdp_class=SpmdFullyShardedDataParallel``: the units it 
 hand FSDPv2's output sharding to the checkpoint, so the recomputation stays sharded. Tested
 with torch_xla's FSDP and FSDPv2 and with PyTorch's FSDP1 and FSDP2; docs/fsdp.md says which
 nesting order to choose.
+
+The core of xla_wrap knows nothing about FSDP or SPMD: what they need from a checkpoint comes
+from the hooks this module installs at import (:mod:`xla_wrap._hooks`), which refuse
+checkpointing around an eager FSDP unit and keep SPMD shardings across the barrier.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-from . import _xla
-from ._errors import CheckpointValueError
+from . import _hooks, _xla
+from ._errors import CheckpointTypeError, CheckpointValueError
 from ._options import options_from
-from ._recompute import record_output_sharding
+from ._recompute import ForwardRecord
 from ._tree import Flat
-from ._wrapper import CheckpointWrapper, checkpoint_wrapper
+from ._wrapper import checkpoint_wrapper
 from .wrap import Policy
 
 __all__ = ["auto_wrap_policy", "auto_wrapper_callable", "fsdp_units"]
@@ -49,11 +55,10 @@ def auto_wrap_policy(policy: Policy, model: nn.Module) -> Callable[..., bool]:
             f"that already contains FSDP units (at {format_units(units)}). Build the policy "
             "from the unwrapped model and hand that model to FSDP with it."
         )
-    chosen = {id(_unwrapped(module)) for _, module in policy.select(model)}
+    chosen = {id(module) for _, module in policy.select(model)}
 
     def callback(module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
-        # A block checkpointed after the policy was made still counts as selected.
-        return True if recurse else id(_unwrapped(module)) in chosen
+        return True if recurse else id(module) in chosen
 
     return callback
 
@@ -73,7 +78,7 @@ def auto_wrapper_callable(
     def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         unit: nn.Module = fsdp(checkpoint_wrapper(module, **checkpoint_options), *args, **kwargs)
         # SPMD FSDP shards the unit's output after the checkpoint returned it; the checkpoint's
-        # backward must shard the gradient the same way (see _recompute.record_output_sharding).
+        # backward must shard the gradient the same way (see _record_output_sharding).
         unit.register_forward_hook(_record_output_shardings)
         return unit
 
@@ -90,10 +95,6 @@ _FSDP_CLASS_NAMES = frozenset(
         "FSDPModule",
     }
 )
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    return module.checkpoint_module if isinstance(module, CheckpointWrapper) else module
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
@@ -113,4 +114,120 @@ def format_units(units: list[str]) -> str:
 
 def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
     for tensor in Flat.of(output).tensors:
-        record_output_sharding(tensor)
+        _record_output_sharding(tensor)
+
+
+class _EagerFsdpUnits(_hooks.CheckpointHook):
+    """Refuse what cannot work with FSDP units already in the model."""
+
+    def check_module(self, api: str, module: nn.Module) -> None:
+        """Refuse to checkpoint a unit of PyTorch's eager FSDP (FSDP1 or FSDP2).
+
+        FSDP1's unit is a wrapper whose forward gathers and frees the parameters and
+        registers backward hooks; recomputed in backward, it would run that forward again
+        where FSDP1's state machine expects a backward. FSDP2 keeps per-module state and
+        hooks that the checkpoint would have to run inside its own forward. torch_xla's FSDP
+        is not affected (docs/fsdp.md).
+        """
+        eager_fsdp = sys.modules.get("torch.distributed.fsdp")
+        if eager_fsdp is None:
+            return
+        classes = tuple(
+            cls
+            for cls in (
+                getattr(eager_fsdp, "FullyShardedDataParallel", None),
+                getattr(eager_fsdp, "FSDPModule", None),
+            )
+            if isinstance(cls, type)
+        )
+        if classes and isinstance(module, classes):
+            raise CheckpointTypeError(
+                f"{api}: expected a module that FSDP has not wrapped, got "
+                f"{type(module).__name__}, which is a unit of PyTorch's FSDP. Checkpoint inside "
+                "each unit instead: checkpoint the blocks before `fully_shard` or "
+                "`FullyShardedDataParallel` wraps them, or apply_activation_checkpointing to "
+                "the FSDP1-wrapped model with a policy that selects the blocks (docs/fsdp.md)."
+            )
+
+    def check_selection(
+        self, api: str, policy: object, model: nn.Module, selected: Sequence[nn.Module]
+    ) -> None:
+        """Refuse a policy that selects nothing in a model FSDP has wrapped: FSDP flattened
+        and renamed what the policy looks for."""
+        units = [] if selected else fsdp_units(model)
+        if units:
+            raise CheckpointValueError(
+                f"{api}: the policy {policy!r} selects nothing in a model that FSDP has "
+                f"already wrapped (units at {format_units(units)}). FSDP flattens parameters "
+                "and renames submodules, which hides them from rules on size and names. "
+                "Checkpoint first, then shard: call apply_activation_checkpointing on the model "
+                "before FSDP wraps it, or let FSDP build each unit as "
+                "FSDP(checkpoint_wrapper(block)) with `auto_wrap_policy=xla_wrap.fsdp."
+                "auto_wrap_policy(policy, model), auto_wrapper_callable=xla_wrap.fsdp."
+                "auto_wrapper_callable()` (docs/fsdp.md)."
+            )
+
+
+class _SpmdOutputSharding(_hooks.CheckpointHook):
+    """Keep each output's SPMD sharding on its gradient across the barrier.
+
+    XLA's sharding propagation does not pass through an optimization barrier, so a barriered
+    gradient carries no sharding, and the partitioner then replicates the recomputation and
+    gathers its activations in full. Each gradient therefore gets the sharding of its output:
+    found on the recomputed output, recorded on the forward's output, or given to the output
+    only after the checkpoint returned it (FSDPv2 annotates a unit's output then; the units
+    :func:`auto_wrapper_callable` builds report it through :func:`_record_output_sharding`).
+    """
+
+    def on_forward(self, outputs: Sequence[torch.Tensor]) -> list[object | None]:
+        return [_xla.sharding(t) for t in outputs]
+
+    def on_gradient(
+        self, state: object, position: int, grad: torch.Tensor, output: torch.Tensor | None
+    ) -> None:
+        if _xla.sharding(grad) is not None:
+            return
+        shardings: list[object | None] = state  # type: ignore[assignment]  # on_forward's
+        op_sharding = (_xla.sharding(output) if output is not None else None) or shardings[position]
+        if op_sharding is not None:
+            _xla.shard_like(grad, op_sharding)
+        elif _xla.is_xla_tensor(grad) and _xla.spmd_active():
+            _xla.warn_unsharded_gradient_once()
+
+
+_SPMD_OUTPUT_SHARDING = _SpmdOutputSharding()
+_hooks.install(_EagerFsdpUnits())
+_hooks.install(_SPMD_OUTPUT_SHARDING)
+
+
+def _record_output_sharding(output: torch.Tensor) -> None:
+    """Record the sharding given to ``output`` after a checkpoint returned it.
+
+    SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
+    made of the checkpoint's output. This walks from ``output`` back through such pass-through
+    nodes to the checkpoint that produced it (either engine's gate carries its
+    :class:`ForwardRecord`), so that its backward shards the gradient the same way. An output
+    that no checkpoint produced, or that has no sharding, is left alone.
+    """
+    op_sharding = _xla.sharding(output)
+    if op_sharding is None:
+        return
+    node, index = output.grad_fn, output.output_nr
+    for _ in range(_MAX_ALIAS_HOPS):
+        if node is None:
+            return
+        gate: Any = node  # a checkpoint's gate carries its record and output positions
+        record = getattr(gate, "record", None)
+        if isinstance(record, ForwardRecord):
+            shardings = record.hook_state(_SPMD_OUTPUT_SHARDING)
+            if isinstance(shardings, list):
+                shardings[gate.output_positions[index]] = op_sharding
+            return
+        if type(node).__name__ not in _PASS_THROUGH_NODES:
+            return
+        node, index = node.next_functions[index]
+
+
+# Autograd nodes that hand their inputs on unchanged, one output per input.
+_PASS_THROUGH_NODES = {"BackwardHookFunctionBackward", "AliasBackward0"}
+_MAX_ALIAS_HOPS = 4
