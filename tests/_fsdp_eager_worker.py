@@ -8,8 +8,8 @@ needs nor loads torch_xla.
 Every composition in :data:`COMPOSITIONS` trains the same small model for two SGD steps and
 records, on this rank: the losses, the gradients, the parameters after the optimizer steps,
 which calls of each block were recomputations, how many all-gathers and reduce-scatters each
-step issued in forward and in backward, the CPU generator state and the ``state_dict`` keys at
-the end. An exception is recorded with its
+step issued in forward and in backward, the CPU generator state, the ``state_dict`` keys and the
+number of FSDP units at the end. An exception is recorded with its
 traceback and the next composition runs. The results file is rewritten after every
 composition, so a hang still reports the compositions before it.
 """
@@ -144,6 +144,16 @@ def fsdp1(order: str, *, use_orig_params: bool = False) -> Callable[[Net], nn.Mo
             policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
             xla_wrap.apply_activation_checkpointing(net, wrap.by_type(Block))
             return FSDP(net, auto_wrap_policy=policy, **options)
+        if order == "plain, ModuleWrapPolicy":
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            return FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), **options)
+        if order == "checkpoint before wrapping, ModuleWrapPolicy":
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            # PyTorch's own policy selects the units by class: a checkpointed block is a Block.
+            xla_wrap.apply_activation_checkpointing(net, lambda m: isinstance(m, Block))
+            return FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), **options)
         if order == "auto_wrapper_callable per block":
             unit = fsdp.auto_wrapper_callable(fsdp_class=FSDP)
             for i, block in enumerate(net.blocks):
@@ -182,6 +192,7 @@ COMPOSITIONS: dict[str, Composition] = {
     "fsdp2 reference": Composition(fsdp2_plain, **FSDP2),
     "fsdp1 reference": Composition(fsdp1("plain"), **FSDP1),
     "fsdp1 use_orig_params reference": Composition(fsdp1("plain", use_orig_params=True), **FSDP1),
+    "fsdp1 ModuleWrapPolicy reference": Composition(fsdp1("plain, ModuleWrapPolicy"), **FSDP1),
     "fsdp2: fully_shard(checkpoint_wrapper(block))": Composition(
         fsdp2_shard_checkpointed_blocks, **FSDP2
     ),
@@ -209,6 +220,9 @@ COMPOSITIONS: dict[str, Composition] = {
     "fsdp1: checkpoint_wrapper(FSDP(block))": Composition(
         fsdp1("checkpoint_wrapper(FSDP(block))"), **FSDP1
     ),
+    "fsdp1: ModuleWrapPolicy({Block}) after apply_activation_checkpointing": Composition(
+        fsdp1("checkpoint before wrapping, ModuleWrapPolicy"), **FSDP1
+    ),
 }
 
 
@@ -228,17 +242,28 @@ def count_collectives() -> None:
         setattr(dist, name, counted)
 
 
-def train(composition: Composition, rank: int) -> dict[str, Any]:
+def fsdp_unit_count(model: nn.Module) -> int:
+    """The FSDP1 units and FSDP2-sharded modules in ``model``, the root included."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return sum(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules())
+
+
+def train(composition: Composition, rank: int, built: dict[str, Any]) -> dict[str, Any]:
     """Two SGD steps. The CPU generator is seeded once, so the second step's Dropout masks also
-    show whether checkpointing left the generator where the unwrapped model leaves it."""
+    show whether checkpointing left the generator where the unwrapped model leaves it. What is
+    known once the model is built (its FSDP units) goes into ``built`` at once, so that it is
+    reported even if the training then fails."""
     torch.manual_seed(0)  # the same initial parameters on every rank
     net = Net()
     calls: list[tuple[int, bool]] = []
     for index, block in enumerate(net.blocks):
-        block.register_forward_hook(
+        # On a submodule: the checkpointed block's own hooks run once, around the checkpoint.
+        block.linear.register_forward_hook(
             lambda *_, index=index: calls.append((index, xla_wrap.is_recomputing()))
         )
     model = composition.build(net)
+    built["fsdp units"] = fsdp_unit_count(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     inputs = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
     torch.manual_seed(1000 + rank)  # and its own Dropout masks
@@ -268,6 +293,7 @@ def train(composition: Composition, rank: int) -> dict[str, Any]:
         "rng": torch.get_rng_state(),
         "state_dict keys": sorted(model.state_dict()),
         "wrappers": sum(isinstance(m, xla_wrap.CheckpointWrapper) for m in model.modules()),
+        **built,
     }
 
 
@@ -284,10 +310,11 @@ def main() -> None:
         if only and name not in only:
             continue
         start = time.perf_counter()
+        built: dict[str, Any] = {}
         try:
-            result = train(composition, rank)
+            result = train(composition, rank, built)
         except Exception:
-            result = {"error": traceback.format_exc()}
+            result = {**built, "error": traceback.format_exc()}
         try:
             dist.barrier()  # the next composition starts together on both ranks
         except Exception:

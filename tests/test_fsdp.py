@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import xla_wrap
@@ -72,7 +75,8 @@ def _step(build: Callable[[Net, torch.device], nn.Module], device: torch.device)
     net = Net()
     calls: list[bool] = []
     for block in net.blocks:
-        block.register_forward_hook(lambda *_: calls.append(xla_wrap.is_recomputing()))
+        # On a submodule: the checkpointed block's own hooks run once, around the checkpoint.
+        block.linear.register_forward_hook(lambda *_: calls.append(xla_wrap.is_recomputing()))
     model = build(net, device)
     torch_xla.sync()
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0)).to(device)
@@ -169,3 +173,197 @@ def test_a_policy_blind_inside_fsdp_is_refused_with_the_order_to_use(
     assert not any(isinstance(m, xla_wrap.CheckpointWrapper) for m in sharded.modules())
     with pytest.raises(xla_wrap.CheckpointValueError, match="already contains FSDP units"):
         fsdp.auto_wrap_policy(wrap.by_type(Block), sharded)
+
+
+# --- a checkpointed module keeps its class inside torch_xla's FSDP ---------------------------
+
+
+class LayerScale(nn.Module):
+    """A Linear whose output a direct parameter of the block scales (layer scale, as in CaiT):
+    FSDP shards ``gamma`` from this module's own ``_parameters``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * torch.tanh(self.linear(x))
+
+
+# name -> (the module, the shape of its input)
+LEAVES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "Linear": (lambda: nn.Linear(WIDTH, WIDTH), (BATCH, WIDTH)),
+    "Conv2d": (lambda: nn.Conv2d(2, 2, 3, padding=1), (BATCH, 2, 4, 4)),
+    "layer scale": (LayerScale, (BATCH, WIDTH)),
+}
+
+
+@pytest.fixture
+def op_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of a linear or 2-D convolution op was a recomputation.
+
+    The ops are patched where ``nn.Linear`` and ``nn.Conv2d`` look them up (``F.linear``,
+    ``F.conv2d``) and where torch_xla FSDP's patched Linear does (``torch._C._nn.linear``), so
+    the probe sees the forward and the recomputation of a bare Linear or Conv2d, however the
+    wrapper calls it. (Hooks on a leaf are not a fair probe of the wrapper, and a
+    ``TorchFunctionMode`` misses the recomputation, which runs on the autograd engine's XLA
+    thread; the HLO does not show it either, as a Linear's backward never reads its output.)
+    """
+    calls: list[bool] = []
+    for owner, name in ((F, "linear"), (F, "conv2d"), (torch._C._nn, "linear")):
+        original = getattr(owner, name)
+
+        def probe(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            calls.append(xla_wrap.is_recomputing())
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, probe)
+    return calls
+
+
+def _fsdp_train(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    device: torch.device,
+    op_calls: list[bool],
+    *,
+    scalar_output: bool = False,
+) -> dict[str, Any]:
+    """One forward/backward of an FSDP model with a loss that needs its activations: the loss,
+    the input gradient and every parameter gradient by name (on the CPU), the op calls that
+    were (True) and were not (False) recomputations, and the number of FSDP units.
+
+    With ``scalar_output`` the model's output is the loss and the input needs no gradient, as in
+    ``_step`` (so that the step compiles to the programs the tests above compiled)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    torch_xla.sync()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    x = x.to(device).requires_grad_(not scalar_output)
+    xm.set_rng_state(7, str(device))
+    op_calls.clear()
+    output = model(x)
+    loss = output if scalar_output else torch.tanh(output).square().sum()
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(g is not None for g in grads.values()), grads.keys()
+    if not scalar_output:
+        grads["input"] = x.grad
+    torch_xla.sync()
+    return {
+        "loss": loss.item(),
+        "grads": {n: g.cpu() for n, g in grads.items()},
+        "calls": sorted(op_calls),
+        "units": sum(isinstance(m, FSDP) for m in model.modules()),
+    }
+
+
+def _assert_trains_like(expected: dict[str, Any], got: dict[str, Any]) -> None:
+    """The same loss and gradients (names included), within XLA:CPU's fusion reordering."""
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert got["grads"].keys() == expected["grads"].keys()
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _assert_recomputed_once(
+    expected: dict[str, Any], got: dict[str, Any], *, forward: int, checkpointed: int
+) -> None:
+    """Without checkpointing the ``forward`` linear/convolution ops run once each, in forward;
+    with it, the ``checkpointed`` ones among them run once more, recomputed in backward."""
+    assert expected["calls"] == [False] * forward
+    assert got["calls"] == [False] * forward + [True] * checkpointed
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["unflattened", "flattened"])
+@pytest.mark.parametrize("leaf", list(LEAVES))
+def test_xla_fsdp_of_a_checkpointed_module_keeps_its_class_trains_like_fsdp_and_recomputes(
+    xla_device: torch.device, op_calls: list[bool], leaf: str, flatten: bool
+) -> None:
+    """``FSDP(checkpoint_wrapper(m))`` for a Linear, a Conv2d and a block with a direct
+    parameter, with and without ``flatten_parameters``: the module in FSDP's tree is still of
+    its class, FSDP's forward reaches the parameters (unflattened, FSDP pops each one from the
+    module's ``_parameters`` and puts the full one back with ``object.__setattr__``, which the
+    module's forward must then read), the loss and gradients are those of ``FSDP(m)``, and the
+    module's op is recomputed once in backward."""
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    make, shape = LEAVES[leaf]
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        module = make()
+        cls = type(module)
+        module = module.to(xla_device)
+        if checkpointed:
+            module = xla_wrap.checkpoint_wrapper(module)
+        model = FSDP(module, flatten_parameters=flatten)
+        inner = [m for m in model.modules() if isinstance(m, xla_wrap.CheckpointWrapper)]
+        assert len(inner) == int(checkpointed)
+        assert all(isinstance(m, cls) for m in inner), [type(m).__name__ for m in inner]
+        results.append(_fsdp_train(model, shape, xla_device, op_calls))
+    plain, got = results
+    _assert_trains_like(plain, got)
+    _assert_recomputed_once(plain, got, forward=1, checkpointed=1)
+
+
+def test_auto_wrapper_callable_makes_checkpointed_linear_units_that_train_like_fsdp(
+    xla_device: torch.device, op_calls: list[bool]
+) -> None:
+    """torch_xla's FSDP auto-wrapping every ``nn.Linear`` of a small net with
+    ``xla_wrap.fsdp.auto_wrapper_callable()`` (unflattened parameters, FSDP's default) makes one
+    unit per Linear plus the root, as without checkpointing, with the same loss and gradients,
+    and recomputes every Linear once."""
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(
+            nn.Linear(WIDTH, WIDTH),
+            nn.Tanh(),
+            nn.Linear(WIDTH, WIDTH),
+            nn.Tanh(),
+            nn.Linear(WIDTH, 1),
+        ).to(xla_device)
+        policy = fsdp.auto_wrap_policy(wrap.by_type(nn.Linear), net)
+        if checkpointed:
+            model = FSDP(
+                net, auto_wrap_policy=policy, auto_wrapper_callable=fsdp.auto_wrapper_callable()
+            )
+        else:
+            model = FSDP(net, auto_wrap_policy=policy)
+        results.append(_fsdp_train(model, (BATCH, WIDTH), xla_device, op_calls))
+    plain, got = results
+    assert plain["units"] == got["units"] == 4
+    _assert_trains_like(plain, got)
+    _assert_recomputed_once(plain, got, forward=3, checkpointed=3)
+
+
+def test_torch_xla_transformer_auto_wrap_policy_after_checkpointing_makes_a_unit_per_block(
+    xla_device: torch.device, op_calls: list[bool]
+) -> None:
+    """torch_xla's own ``transformer_auto_wrap_policy(transformer_layer_cls={Block})`` given a
+    net whose blocks ``apply_activation_checkpointing`` has already wrapped still recognizes them
+    as Blocks: one FSDP unit per block plus the root, the loss and gradients of the same policy
+    on the unwrapped net, and every block recomputed once."""
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        net = Net().to(xla_device)
+        if checkpointed:
+            xla_wrap.apply_activation_checkpointing(net, lambda m: isinstance(m, Block))
+        model = FSDP(net, auto_wrap_policy=policy)
+        results.append(_fsdp_train(model, (BATCH, WIDTH), xla_device, op_calls, scalar_output=True))
+    plain, got = results
+    assert plain["units"] == 4
+    assert got["units"] == 4, "the checkpointed blocks did not become FSDP units"
+    _assert_trains_like(plain, got)
+    _assert_recomputed_once(plain, got, forward=4, checkpointed=3)  # the head is not a Block

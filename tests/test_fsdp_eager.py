@@ -38,6 +38,8 @@ TIMEOUT_S = 120  # for both processes together; a hung gloo collective must not 
 # composition -> the FSDP without checkpointing that it must match
 WORKING = {
     "fsdp2: fully_shard(checkpoint_wrapper(block))": "fsdp2 reference",
+    "fsdp2: checkpoint_wrapper(fully_shard(block))": "fsdp2 reference",
+    "fsdp2: apply_activation_checkpointing after fully_shard": "fsdp2 reference",
     "fsdp1: apply_activation_checkpointing after FSDP": "fsdp1 reference",
     "fsdp1 use_orig_params: apply_activation_checkpointing after FSDP": (
         "fsdp1 use_orig_params reference"
@@ -47,16 +49,18 @@ WORKING = {
         "fsdp1 reference"
     ),
     "fsdp1: auto_wrapper_callable(fsdp_class=FSDP) per block": "fsdp1 reference",
+    "fsdp1: ModuleWrapPolicy({Block}) after apply_activation_checkpointing": (
+        "fsdp1 ModuleWrapPolicy reference"
+    ),
 }
 
-# Orders that put the checkpoint around an eager FSDP unit. CheckpointWrapper shares the unit's
-# containers instead of registering it as a child, which hides the unit from the FSDP root
-# (FSDP2 fails; FSDP1 would keep the unit unsharded from forward to backward), so xla_wrap
-# refuses them up front with this message.
-REFUSED = "is a unit of PyTorch's FSDP"
+# The order that puts the checkpoint around an FSDP1 unit: recomputed in backward, the unit's
+# forward would run where FSDP1's state machine expects a backward ("expected to be in states
+# [IDLE] but current state is FORWARD_BACKWARD", seen with the refusal lifted), so xla_wrap
+# refuses it up front with this message. FSDP2 keeps its hooks on the module itself, around the
+# checkpoint, so checkpointing a fully_shard-ed block works (in WORKING).
+REFUSED = "is a unit of PyTorch's FSDP1"
 UNSUPPORTED = {
-    "fsdp2: checkpoint_wrapper(fully_shard(block))": REFUSED,
-    "fsdp2: apply_activation_checkpointing after fully_shard": REFUSED,
     "fsdp1: checkpoint_wrapper(FSDP(block))": REFUSED,
 }
 
@@ -193,6 +197,7 @@ def test_workers_finish_in_time_without_torch_xla(run: Run) -> None:
     for rank in range(WORLD_SIZE):
         assert run.ranks[rank]["torch_xla imported"] is False, f"rank {rank} loaded torch_xla"
     every = {"fsdp2 reference", "fsdp1 reference", "fsdp1 use_orig_params reference"}
+    every.add("fsdp1 ModuleWrapPolicy reference")
     every |= WORKING.keys() | UNSUPPORTED.keys()
     assert set(run.ranks[0]) - {"torch_xla imported"} == every
 
@@ -207,3 +212,17 @@ def test_unsupported_orders_fail_loudly(run: Run, name: str) -> None:
     error = _error(run, name)
     assert error is not None, f"{name!r} ran: check it like WORKING and update docs/fsdp.md"
     assert UNSUPPORTED[name] in error, error
+
+
+def test_module_wrap_policy_after_checkpointing_makes_one_fsdp1_unit_per_block(run: Run) -> None:
+    """PyTorch's ``ModuleWrapPolicy({Block})`` applied after ``apply_activation_checkpointing``
+    recognizes each checkpointed block as a Block: FSDP1 makes one unit per block plus the root,
+    as with the same policy on the unwrapped net (the training itself is checked in
+    ``test_checkpointing_inside_eager_fsdp_trains_like_fsdp``)."""
+    name = "fsdp1: ModuleWrapPolicy({Block}) after apply_activation_checkpointing"
+    for rank in range(WORLD_SIZE):
+        for label in (WORKING[name], name):
+            result = _result(run, rank, label)
+            assert "fsdp units" in result, f"{label!r} failed on rank {rank}:\n{result['error']}"
+            units = result["fsdp units"]
+            assert units == DEPTH + 1, f"{label!r}, rank {rank}: {units} FSDP units"

@@ -121,32 +121,26 @@ class _EagerFsdpUnits(_hooks.CheckpointHook):
     """Refuse what cannot work with FSDP units already in the model."""
 
     def check_module(self, api: str, module: nn.Module) -> None:
-        """Refuse to checkpoint a unit of PyTorch's eager FSDP (FSDP1 or FSDP2).
+        """Refuse to checkpoint a unit of PyTorch's FSDP1.
 
         FSDP1's unit is a wrapper whose forward gathers and frees the parameters and
         registers backward hooks; recomputed in backward, it would run that forward again
-        where FSDP1's state machine expects a backward. FSDP2 keeps per-module state and
-        hooks that the checkpoint would have to run inside its own forward. torch_xla's FSDP
-        is not affected (docs/fsdp.md).
+        where FSDP1's state machine expects a backward. FSDP2's ``fully_shard`` keeps its
+        hooks on the module itself, so they run around the checkpoint, as they do for
+        ``fully_shard(checkpoint_wrapper(block))``; torch_xla's FSDP expects checkpoints
+        around its units (docs/fsdp.md).
         """
         eager_fsdp = sys.modules.get("torch.distributed.fsdp")
         if eager_fsdp is None:
             return
-        classes = tuple(
-            cls
-            for cls in (
-                getattr(eager_fsdp, "FullyShardedDataParallel", None),
-                getattr(eager_fsdp, "FSDPModule", None),
-            )
-            if isinstance(cls, type)
-        )
-        if classes and isinstance(module, classes):
+        fsdp1 = getattr(eager_fsdp, "FullyShardedDataParallel", None)
+        if isinstance(fsdp1, type) and isinstance(module, fsdp1):
             raise CheckpointTypeError(
                 f"{api}: expected a module that FSDP has not wrapped, got "
-                f"{type(module).__name__}, which is a unit of PyTorch's FSDP. Checkpoint inside "
-                "each unit instead: checkpoint the blocks before `fully_shard` or "
-                "`FullyShardedDataParallel` wraps them, or apply_activation_checkpointing to "
-                "the FSDP1-wrapped model with a policy that selects the blocks (docs/fsdp.md)."
+                f"{type(module).__name__}, which is a unit of PyTorch's FSDP1. Checkpoint inside "
+                "each unit instead: checkpoint the blocks before `FullyShardedDataParallel` "
+                "wraps them, or apply_activation_checkpointing to the FSDP1-wrapped model with "
+                "a policy that selects the blocks (docs/fsdp.md)."
             )
 
     def check_selection(
