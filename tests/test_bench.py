@@ -128,6 +128,6 @@ def test_the_save_policy_runs_on_the_transformer_and_the_engine_comparison_on_re
     from xla_wrap.bench._cli import _variants_for
 
     default = parse_args([]).variants.split(",")
-    assert "xla_wrap dots_saveable" in default and "xla_wrap non-reentrant" not in default
+    assert "xla_wrap dots_saveable" in default and "xla_wrap reentrant" not in default
     assert "xla_wrap dots_saveable" in _variants_for("transformer", default)
     assert "xla_wrap dots_saveable" not in _variants_for("conv", default)
