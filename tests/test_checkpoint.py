@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from typing import Any
@@ -562,6 +563,43 @@ def test_buffer_updated_in_place_by_the_forward_is_recomputed_as_read(
         results.append([x.grad.cpu(), module.linear.weight.grad.cpu(), module.scale.cpu()])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+class ReadsScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("scale", torch.full((WIDTH,), 2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).sin() * self.scale
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_read_only_buffer_changed_in_place_before_backward_is_refused(
+    use_reentrant: bool,
+) -> None:
+    # The forward only read it, so no copy was kept: the recomputation would read the new value.
+    block = xla_wrap.checkpoint_wrapper(ReadsScale(), use_reentrant=use_reentrant)
+    loss = block(torch.randn(BATCH, WIDTH, requires_grad=True)).sum()
+    block.scale.mul_(3.0)
+    with pytest.raises(xla_wrap.CheckpointError, match=r"buffer 'scale' .* modified in place"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_read_only_buffer_replaced_before_backward_is_recomputed_as_read(
+    use_reentrant: bool,
+) -> None:
+    torch.manual_seed(0)
+    plain = ReadsScale()
+    block = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain), use_reentrant=use_reentrant)
+    x = torch.randn(BATCH, WIDTH)
+    plain(x).sum().backward()
+    loss = block(x).sum()
+    block.scale = torch.full((WIDTH,), 5.0)  # a new tensor: the forward's stays as it was
+    loss.backward()
+    assert torch.equal(block.linear.weight.grad, plain.linear.weight.grad)
 
 
 def test_returning_a_buffer_leaves_the_buffer_out_of_autograd() -> None:

@@ -53,6 +53,7 @@ class ForwardRecord:
     outputs: Flat  # the returned structure, tensor leaves as TensorMeta
     inputs_require_grad: tuple[bool, ...]
     buffers: tuple[torch.Tensor, ...]  # the owners' buffers as the forward read them
+    buffer_versions: tuple[int, ...]  # their version counters when the forward returned
     rng: _rng.RngSnapshot | None
     autocast: _autocast.AutocastSnapshot
     on_xla: bool
@@ -85,9 +86,12 @@ def record_forward(
     tensors = inputs.tensors
     owners = call.owners
     # The forward may update buffers in place (BatchNorm statistics, EMAs); the recomputation
-    # must read them as the forward did. On XLA the copy shares the lazy value and costs
-    # nothing until the buffer changes.
-    buffers = tuple(b.detach().clone() for b in owners.buffers)
+    # must read them as the forward did, so each is copied first (on XLA the copy shares the
+    # lazy value). A buffer the forward only read (a causal mask, a rotary table) is then kept
+    # as itself: a copy alive until backward costs one buffer per block, in eager memory and,
+    # on XLA, as an output of the step's program.
+    snapshots = [b.detach().clone() for b in owners.buffers]
+    buffer_versions = [b._version for b in owners.buffers]
     rng = _rng.capture([*tensors, *owners.params, *owners.buffers])
     autocast = _autocast.capture()
     versions = [t._version for t in tensors]
@@ -95,12 +99,19 @@ def record_forward(
         args, kwargs = inputs.rebuild(tensors)
         outputs = Flat.of(call.function(*args, **kwargs))
     _check_inputs_unchanged(call.api, tensors, versions)
+    buffers = tuple(
+        snapshot if buffer._version != version else buffer
+        for buffer, snapshot, version in zip(
+            owners.buffers, snapshots, buffer_versions, strict=True
+        )
+    )
     record = ForwardRecord(
         call=call,
         inputs=inputs.without_tensors(),
         outputs=outputs.without_tensors(),
         inputs_require_grad=tuple(t.requires_grad for t in tensors),
         buffers=buffers,
+        buffer_versions=tuple(b._version for b in buffers),
         rng=rng if call.options.preserve_rng_state else None,
         autocast=autocast,
         on_xla=any(_xla.is_xla_tensor(t) for t in (*tensors, *owners.params, *outputs.tensors)),
@@ -149,6 +160,7 @@ def barrier_for_recompute(
     """
     params = record.call.owners.params
     buffers = record.buffers
+    _check_buffers_unchanged(record)
     spmd = _xla.spmd_active()
     n = [len(inputs), len(kept), len(grads), len(params), len(buffers)]
     copies = barriered(
@@ -228,6 +240,24 @@ def _check_inputs_unchanged(
                 "from the modified value and give wrong gradients. Make that operation "
                 "out-of-place (for example `nn.ReLU(inplace=False)` as the block's first layer) "
                 "or clone the input inside the callable."
+            )
+
+
+def _check_buffers_unchanged(record: ForwardRecord) -> None:
+    """Refuse a buffer the forward only read that was modified in place before backward: the
+    recomputation would read the new value and give wrong gradients without any error."""
+    owners = record.call.owners
+    for index, (buffer, version) in enumerate(
+        zip(record.buffers, record.buffer_versions, strict=True)
+    ):
+        if buffer._version != version:
+            name = next(name for _, name, i in owners.buffer_slots if i == index)
+            raise CheckpointError(
+                f"{record.api}: the buffer {name!r} ({TensorMeta.of(buffer)}) that the "
+                "checkpointed block read was modified in place between its forward and its "
+                "backward; the recomputation would read the new value and give wrong "
+                f"gradients. Assign a new tensor instead (`module.{name} = new_value`), or "
+                "update it after backward."
             )
 
 
