@@ -16,6 +16,7 @@ composition, so a hang still reports the compositions before it.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -79,13 +80,13 @@ def fsdp2_plain(net: Net) -> nn.Module:
     return fully_shard(net)
 
 
-def fsdp2_shard_checkpointed_blocks(net: Net) -> nn.Module:
+def fsdp2_shard_checkpointed_blocks(net: Net, **options: Any) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for i, block in enumerate(net.blocks):
-        net.blocks[i] = fully_shard(xla_wrap.checkpoint_wrapper(block))
+        net.blocks[i] = fully_shard(xla_wrap.checkpoint_wrapper(block, **options))
         # Wrapping the sharded checkpoint again is a no-op, as for any CheckpointWrapper.
-        if xla_wrap.checkpoint_wrapper(net.blocks[i]) is not net.blocks[i]:
+        if xla_wrap.checkpoint_wrapper(net.blocks[i], **options) is not net.blocks[i]:
             raise AssertionError("checkpoint_wrapper re-wrapped an FSDP2-sharded wrapper")
     return fully_shard(net)
 
@@ -119,7 +120,9 @@ def fsdp2_params(model: nn.Module) -> dict[str, torch.Tensor]:
 # --- FSDP1: torch.distributed.fsdp.FullyShardedDataParallel --------------------------------
 
 
-def fsdp1(order: str, *, use_orig_params: bool = False) -> Callable[[Net], nn.Module]:
+def fsdp1(
+    order: str, *, use_orig_params: bool = False, **checkpoint_options: Any
+) -> Callable[[Net], nn.Module]:
     def build(net: Net) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -134,7 +137,9 @@ def fsdp1(order: str, *, use_orig_params: bool = False) -> Callable[[Net], nn.Mo
         if order == "checkpoint after wrapping":
             policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
             model = FSDP(net, auto_wrap_policy=policy, **options)
-            return xla_wrap.apply_activation_checkpointing(model, wrap.by_type(Block))
+            return xla_wrap.apply_activation_checkpointing(
+                model, wrap.by_type(Block), **checkpoint_options
+            )
         if order == "checkpoint before wrapping":
             xla_wrap.apply_activation_checkpointing(net, wrap.by_type(Block))
             # The blocks are CheckpointWrappers now, so the FSDP units are selected by that type.
@@ -195,6 +200,13 @@ COMPOSITIONS: dict[str, Composition] = {
     "fsdp1 ModuleWrapPolicy reference": Composition(fsdp1("plain, ModuleWrapPolicy"), **FSDP1),
     "fsdp2: fully_shard(checkpoint_wrapper(block))": Composition(
         fsdp2_shard_checkpointed_blocks, **FSDP2
+    ),
+    # The reentrant engine, which is not the default, inside each unit of either FSDP.
+    "fsdp2: fully_shard(checkpoint_wrapper(block, use_reentrant=True))": Composition(
+        functools.partial(fsdp2_shard_checkpointed_blocks, use_reentrant=True), **FSDP2
+    ),
+    "fsdp1: apply_activation_checkpointing(use_reentrant=True) after FSDP": Composition(
+        fsdp1("checkpoint after wrapping", use_reentrant=True), **FSDP1
     ),
     "fsdp2: apply_activation_checkpointing after fully_shard": Composition(
         fsdp2_checkpoint_after_sharding, **FSDP2

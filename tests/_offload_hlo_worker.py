@@ -59,7 +59,7 @@ def main() -> None:
     results = {}
     cases = {
         "offload_to_cpu": {"offload_to_cpu": True},
-        "offload_to_cpu-non-reentrant": {"offload_to_cpu": True, "use_reentrant": False},
+        "offload_to_cpu-reentrant": {"offload_to_cpu": True, "use_reentrant": True},
         "offload_these_names": {"policy": cp.offload_these_names("h")},
     }
     for label, options in cases.items():

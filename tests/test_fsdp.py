@@ -41,10 +41,11 @@ def _per_block(order: str) -> Callable[[Net, torch.device], nn.Module]:
                 "plain": lambda b: FSDP(b),
                 "fsdp(checkpoint)": lambda b: FSDP(xla_wrap.checkpoint_wrapper(b)),
                 "checkpoint(fsdp)": lambda b: xla_wrap.checkpoint_wrapper(FSDP(b)),
-                # the non-reentrant engine recomputes inside FSDP's own forward, the order
-                # where stopping the recomputation early would break FSDP's state machine
-                "checkpoint(fsdp) non-reentrant": lambda b: xla_wrap.checkpoint_wrapper(
-                    FSDP(b), use_reentrant=False
+                # the default engine above recomputes inside FSDP's own forward, the order
+                # where stopping the recomputation early would break FSDP's state machine;
+                # the reentrant engine recomputes the whole unit
+                "checkpoint(fsdp) reentrant": lambda b: xla_wrap.checkpoint_wrapper(
+                    FSDP(b), use_reentrant=True
                 ),
             }[order](block)
         return FSDP(net.to(device))
@@ -103,8 +104,8 @@ def reference(xla_device: torch.device) -> dict[str, tuple]:
         ("FSDP(checkpoint_wrapper(block))", _per_block("fsdp(checkpoint)"), "per-block"),
         ("checkpoint_wrapper(FSDP(block))", _per_block("checkpoint(fsdp)"), "per-block"),
         (
-            "checkpoint_wrapper(FSDP(block), use_reentrant=False)",
-            _per_block("checkpoint(fsdp) non-reentrant"),
+            "checkpoint_wrapper(FSDP(block), use_reentrant=True)",
+            _per_block("checkpoint(fsdp) reentrant"),
             "per-block",
         ),
         ("auto_wrap_policy + auto_wrapper_callable", _auto(checkpointed=True), "auto"),

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.xla
 WORKER = Path(__file__).with_name("_spmd_fsdp_worker.py")
 CHECKPOINTED = [
     "fsdp(checkpoint) helper",
-    "fsdp(checkpoint) helper non-reentrant",
+    "fsdp(checkpoint) helper reentrant",
     "checkpoint(fsdp)",
     "fsdp(checkpoint) by hand",
 ]
@@ -76,14 +76,15 @@ def test_spmd_step_compiles_once(results: dict[str, Any], name: str) -> None:
     assert _ok(results, name)["recompiles"] == 0
 
 
-def test_spmd_non_reentrant_engine_compiles_to_the_reentrant_helpers_program(
+def test_spmd_reentrant_engine_compiles_to_the_default_helpers_program(
     results: dict[str, Any],
 ) -> None:
     # Same loss, gradients and recomputation count (tests above), and not one instruction of
-    # difference: XLA took its program from the cache the reentrant helper's run filled.
+    # difference: XLA took its program from the cache the default (non-reentrant) helper's
+    # run filled.
     assert _ok(results, "fsdp(checkpoint) helper")["compiled"] is True
-    assert _ok(results, "fsdp(checkpoint) helper non-reentrant")["compiled"] is False
-    assert _ok(results, "fsdp(checkpoint) helper non-reentrant")["warnings"] == []
+    assert _ok(results, "fsdp(checkpoint) helper reentrant")["compiled"] is False
+    assert _ok(results, "fsdp(checkpoint) helper reentrant")["warnings"] == []
 
 
 def test_spmd_checkpoint_copies_program_inputs_so_the_next_step_compiles_nothing(

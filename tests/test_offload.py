@@ -27,7 +27,7 @@ WORKER = Path(__file__).with_name("_offload_hlo_worker.py")
 
 OFFLOADS = {
     "offload_to_cpu": {"offload_to_cpu": True},
-    "offload_to_cpu-non-reentrant": {"offload_to_cpu": True, "use_reentrant": False},
+    "offload_to_cpu-reentrant": {"offload_to_cpu": True, "use_reentrant": True},
     "offload-policy": {
         "policy": lambda op: cp.Decision.OFFLOAD if op.function == "linear" else False
     },
@@ -58,7 +58,7 @@ def test_annotations_in_the_hlo_a_tpu_or_gpu_would_get_feed_the_barrier() -> Non
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     # The block's input (offload_to_cpu) or the tagged hidden value (the policy) goes to the
     # host in the forward and comes back, into the barrier, in backward.
-    for label in ("offload_to_cpu", "offload_to_cpu-non-reentrant"):
+    for label in ("offload_to_cpu", "offload_to_cpu-reentrant"):
         assert results[label] == {
             "to_host": [f"f32[4,{WIDTH}]"],
             "to_device": [f"f32[4,{WIDTH}]"],

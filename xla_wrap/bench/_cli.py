@@ -17,8 +17,13 @@ from ._models import MODELS, SHARDED_DEVICES
 from ._report import compare, render_chart, render_table
 from ._variants import OPT_IN, TRANSFORMER_ONLY, VARIANTS
 
-_TRANSFORMER = {"blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8, "dropout_pct": 10}
-_QUICK_TRANSFORMER = {"blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 4, "dropout_pct": 10}
+# mask_buffer=1: every block keeps the causal mask as a buffer instead of taking it as an argument.
+_TRANSFORMER = {
+    "blocks": 6, "dim": 128, "heads": 4, "seq": 128, "batch": 8, "dropout_pct": 10, "mask_buffer": 0
+}  # fmt: skip
+_QUICK_TRANSFORMER = {
+    "blocks": 3, "dim": 16, "heads": 2, "seq": 8, "batch": 4, "dropout_pct": 10, "mask_buffer": 0
+}  # fmt: skip
 DEFAULT_SIZES = {
     "conv": {"blocks": 16, "channels": 256, "size": 14, "batch": 16},
     "transformer": _TRANSFORMER,

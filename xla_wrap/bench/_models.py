@@ -54,32 +54,48 @@ class Attention(nn.Module):
         return self.proj((weights @ v).transpose(1, 2).reshape(b, s, d))
 
 
-class TransformerBlock(nn.Module):
-    """Pre-LayerNorm attention and MLP with Dropout; the mask comes as a keyword argument."""
+def causal_mask(seq: int) -> torch.Tensor:
+    """Additive causal mask: 0 on and below the diagonal, -inf above."""
+    return torch.full((seq, seq), float("-inf")).triu(1)
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.1) -> None:
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm attention and MLP with Dropout. The mask comes as a keyword argument or,
+    with ``mask_seq``, from a non-persistent buffer the block keeps and only reads (as models
+    keep causal masks and rotary tables)."""
+
+    def __init__(
+        self, dim: int, heads: int, dropout: float = 0.1, mask_seq: int | None = None
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, heads, dropout)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
+        if mask_seq is not None:
+            self.register_buffer("mask", causal_mask(mask_seq), persistent=False)
 
-    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = self.get_buffer("mask") if mask is None else mask
         x = x + self.drop(self.attn(self.norm1(x), mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class TransformerStack(nn.Module):
-    def __init__(self, blocks: int, dim: int, heads: int, dropout: float) -> None:
+    def __init__(
+        self, blocks: int, dim: int, heads: int, dropout: float, mask_seq: int | None = None
+    ) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, dropout) for _ in range(blocks))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(dim, heads, dropout, mask_seq) for _ in range(blocks)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, mask=mask)
+            x = block(x) if mask is None else block(x, mask=mask)
         return self.head(self.norm(x)).pow(2).mean()
 
 
@@ -115,9 +131,12 @@ def build(name: str, sizes: dict[str, int]) -> Workload:
         return Workload(model, (x,), {})
     if name in ("transformer", "transformer-fsdpv2"):
         d, s = sizes["dim"], sizes["seq"]
-        model = TransformerStack(sizes["blocks"], d, sizes["heads"], sizes["dropout_pct"] / 100)
+        in_blocks = bool(sizes["mask_buffer"])
+        model = TransformerStack(
+            sizes["blocks"], d, sizes["heads"], sizes["dropout_pct"] / 100, s if in_blocks else None
+        )
         x = torch.randn(sizes["batch"], s, d, generator=generator)
-        causal = torch.full((s, s), float("-inf")).triu(1)
+        kwargs = {} if in_blocks else {"mask": causal_mask(s)}
         devices = SHARDED_DEVICES if name.endswith("fsdpv2") else 1
-        return Workload(model, (x,), {"mask": causal}, devices)
+        return Workload(model, (x,), kwargs, devices)
     raise ValueError(f"xla_wrap.bench: unknown model {name!r}; choose among {MODELS}")
