@@ -131,3 +131,20 @@ def test_the_save_policy_runs_on_the_transformer_and_the_engine_comparison_on_re
     assert "xla_wrap dots_saveable" in default and "xla_wrap reentrant" not in default
     assert "xla_wrap dots_saveable" in _variants_for("transformer", default)
     assert "xla_wrap dots_saveable" not in _variants_for("conv", default)
+
+
+def test_the_transformer_can_keep_its_mask_as_a_buffer_with_the_same_loss() -> None:
+    from xla_wrap.bench._cli import QUICK_SIZES
+    from xla_wrap.bench._models import build
+
+    as_argument = build("transformer", QUICK_SIZES["transformer"])
+    as_buffer = build("transformer", {**QUICK_SIZES["transformer"], "mask_buffer": 1})
+    assert as_buffer.kwargs == {} and "mask" in as_argument.kwargs
+    for block in as_buffer.blocks:
+        assert torch.equal(dict(block.named_buffers())["mask"], as_argument.kwargs["mask"])
+    # Not persistent: the two load each other's checkpoints.
+    assert as_buffer.model.state_dict().keys() == as_argument.model.state_dict().keys()
+    for workload in (as_argument, as_buffer):
+        workload.model.eval()  # no Dropout: the two must compute the same loss
+    loss = as_argument.model(*as_argument.args, **as_argument.kwargs)
+    assert torch.equal(as_buffer.model(*as_buffer.args), loss)
