@@ -102,13 +102,12 @@ def checkpoint(
         *args: Positional arguments for ``function``.
         preserve_rng_state: Replay the CPU, CUDA and XLA generators so that random ops
             (Dropout) draw the same numbers in the recomputation as in the forward.
-        use_reentrant: The engine (PyTorch's keyword). ``True``: the block runs without a
-            graph and is recomputed and differentiated inside its own backward; supports
-            ``loss.backward()`` only. ``False``: the block records its graph but saves
-            placeholders, recomputes them behind the barrier before its graph runs, and stops
-            once they exist; supports ``torch.autograd.grad`` and save policies. ``None``
-            (default): reentrant, unless a ``policy`` other than ``nothing_saveable`` is given
-            (docs/policies.md).
+        use_reentrant: The engine (PyTorch's keyword). ``False``: the block records its
+            graph but saves placeholders, recomputes them behind the barrier before its graph
+            runs, and stops once they exist; supports ``torch.autograd.grad`` and save
+            policies. ``True``: the block runs without a graph and is recomputed and
+            differentiated inside its own backward; supports ``loss.backward()`` only.
+            ``None`` (default): non-reentrant (docs/policies.md says why).
         policy: What to keep instead of recomputing: a function of
             :mod:`xla_wrap.checkpoint_policies` (or its name, like ``"dots_saveable"``) or any
             callable taking a :class:`~xla_wrap.checkpoint_policies.Op`. None recomputes
