@@ -575,21 +575,25 @@ class ReadsScale(nn.Module):
         return self.linear(x).sin() * self.scale
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_a_read_only_buffer_changed_in_place_before_backward_is_refused(
-    use_reentrant: bool,
-) -> None:
-    # The forward only read it, so no copy was kept: the recomputation would read the new value.
-    block = xla_wrap.checkpoint_wrapper(ReadsScale(), use_reentrant=use_reentrant)
-    loss = block(torch.randn(BATCH, WIDTH, requires_grad=True)).sum()
-    block.scale.mul_(3.0)
-    with pytest.raises(xla_wrap.CheckpointError, match=r"buffer 'scale' .* modified in place"):
-        loss.backward()
+class ScaleUpdatedThroughData(ReadsScale):
+    """Updates its buffer through ``.data``, which no version counter sees (as EMA codebooks
+    do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A copy of the buffer: the unwrapped model's backward then reads it as the forward did.
+        out = self.linear(x).sin() * (self.scale * 1.0)
+        if not xla_wrap.is_recomputing():
+            self.scale.data.mul_(3.0)
+        return out
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_a_read_only_buffer_replaced_before_backward_is_recomputed_as_read(
-    use_reentrant: bool,
+@pytest.mark.parametrize(
+    "change",
+    ["in place before backward", "through .data before backward", "replaced before backward"],
+)
+def test_a_buffer_changed_after_the_forward_is_recomputed_as_the_forward_read_it(
+    use_reentrant: bool, change: str
 ) -> None:
     torch.manual_seed(0)
     plain = ReadsScale()
@@ -597,8 +601,51 @@ def test_a_read_only_buffer_replaced_before_backward_is_recomputed_as_read(
     x = torch.randn(BATCH, WIDTH)
     plain(x).sum().backward()
     loss = block(x).sum()
-    block.scale = torch.full((WIDTH,), 5.0)  # a new tensor: the forward's stays as it was
+    if change == "in place before backward":
+        block.scale.mul_(3.0)
+    elif change == "through .data before backward":
+        block.scale.data.mul_(3.0)
+    else:
+        block.scale = torch.full((WIDTH,), 5.0)
     loss.backward()
+    assert torch.equal(block.linear.weight.grad, plain.linear.weight.grad)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_buffer_the_forward_updates_through_data_is_recomputed_as_read(
+    use_reentrant: bool,
+) -> None:
+    torch.manual_seed(0)
+    plain = ScaleUpdatedThroughData()
+    block = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain), use_reentrant=use_reentrant)
+    x = torch.randn(BATCH, WIDTH)
+    plain(x).sum().backward()
+    block(x).sum().backward()
+    assert torch.equal(block.linear.weight.grad, plain.linear.weight.grad)
+    assert torch.equal(block.scale, plain.scale)  # updated once, by the forward
+
+
+class AddsShift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        with torch.inference_mode():  # a cache built during evaluation
+            self.register_buffer("shift", torch.full((WIDTH,), 2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x) + self.shift).sin()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_buffer_made_in_inference_mode_is_read_like_any_other(use_reentrant: bool) -> None:
+    torch.manual_seed(0)
+    plain = AddsShift()
+    torch.manual_seed(0)
+    block = xla_wrap.checkpoint_wrapper(AddsShift(), use_reentrant=use_reentrant)
+    assert block.shift.is_inference()
+    x = torch.randn(BATCH, WIDTH)
+    plain(x).sum().backward()
+    block(x).sum().backward()
     assert torch.equal(block.linear.weight.grad, plain.linear.weight.grad)
 
 

@@ -161,6 +161,18 @@ def test_a_checkpointed_block_keeps_only_its_input(device: torch.device) -> None
     assert [(r.kind, r.shape) for r in wrapped] == [("input", (5, WIDTH))]
 
 
+def test_a_checkpointed_block_keeps_its_input_and_a_copy_of_each_buffer() -> None:
+    block = nn.BatchNorm1d(WIDTH)  # two statistics and a step counter, updated by the forward
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    wrapped = introspect.saved_residuals(xla_wrap.checkpoint_wrapper(block), x)
+    assert [(r.kind, r.shape) for r in wrapped] == [
+        ("input", (5, WIDTH)),
+        ("buffer", (WIDTH,)),
+        ("buffer", (WIDTH,)),
+        ("buffer", ()),
+    ]
+
+
 def test_saved_residuals_never_triggers_another_tools_recomputation() -> None:
     import torch.utils.checkpoint as torch_checkpoint
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import types
 from typing import Any
 
 import pytest
@@ -165,6 +166,51 @@ def test_to_deepcopy_and_pickle_keep_the_module_checkpointed() -> None:
     restored[0](torch.randn(BATCH, WIDTH, requires_grad=True)).backward()
     assert calls == [False, True]
     assert "CheckpointWrapper(Block(" in repr(wrapped)
+
+
+def test_pickling_keeps_what_the_module_class_pickles() -> None:
+    # An LSTM drops its weak references when pickled; a wrapper that pickled __dict__ itself
+    # would fail on them.
+    torch.manual_seed(0)
+    lstm = xla_wrap.checkpoint_wrapper(nn.LSTM(WIDTH, WIDTH, batch_first=True))
+    restored = pickle.loads(pickle.dumps(lstm))
+    assert type(restored) is type(lstm)
+    x = torch.randn(BATCH, 3, WIDTH)
+    assert torch.equal(restored(x)[0], lstm(x)[0])
+
+
+def test_a_forward_bound_on_the_instance_unpickles_without_recursing() -> None:
+    # A bound method pickles by name: unpickled, it is the class's (checkpointing) forward.
+    wrapped = xla_wrap.checkpoint_wrapper(_with_bound_forward(nn.Linear(WIDTH, WIDTH)))
+    restored = pickle.loads(pickle.dumps(wrapped))
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    assert torch.equal(restored(x), wrapped(x) / 2)  # the patch is lost, as without wrapping
+
+
+def _with_bound_forward(linear: nn.Linear) -> nn.Linear:
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias) * 2
+
+    linear.forward = types.MethodType(forward, linear)  # type: ignore[method-assign]
+    return linear
+
+
+def test_a_class_derived_from_a_checkpointed_class_copies_as_itself() -> None:
+    block = xla_wrap.checkpoint_wrapper(Block())
+    derived = type("Derived", (type(block),), {})  # as FSDP2 derives a class of its own
+    block.__class__ = derived
+    twin = copy.deepcopy(block)
+    assert type(twin) is derived and twin.checkpoint_options == block.checkpoint_options
+    calls: list[bool] = []
+    twin.linear.register_forward_hook(lambda *_: calls.append(xla_wrap.is_recomputing()))
+    twin(torch.randn(BATCH, WIDTH, requires_grad=True)).sum().backward()
+    assert calls == [False, True]
+
+
+def test_building_another_module_of_a_checkpointed_class_builds_a_plain_one() -> None:
+    wrapped = xla_wrap.checkpoint_wrapper(nn.Linear(WIDTH, WIDTH))
+    other = type(wrapped)(3, 5)  # constructor arguments reach the class's __init__
+    assert type(other) is nn.Linear and other.weight.shape == (5, 3)
 
 
 def test_train_and_eval_reach_the_wrapped_module() -> None:

@@ -28,9 +28,10 @@ def apply_activation_checkpointing(
     model itself is refused.
 
     Children are visited before their parents (post-order), so ``check_fn`` sees a parent whose
-    selected children are already wrapped. The root is never wrapped (it cannot be replaced in
-    place; wrap it yourself with :func:`checkpoint_wrapper`). Selected modules are checkpointed
-    in place, as :func:`checkpoint_wrapper` does: they keep their class, names and places. A
+    selected children are already wrapped. The root is never wrapped (a policy means the blocks
+    inside it; to checkpoint a whole model, call :func:`checkpoint_wrapper` on it). Selected
+    modules are checkpointed in place, as :func:`checkpoint_wrapper` does: they keep their
+    class, names and places. A
     module reachable under several names is offered once. A module already checkpointed is
     left as it is, and nothing inside it is offered (that would nest checkpoints).
 
@@ -95,9 +96,9 @@ def _resolved(api: str, policy: Policy, model: nn.Module) -> Callable[[nn.Module
     if any(module is model for _, module in selected):
         raise CheckpointValueError(
             f"{api}: the policy {policy!r} selects the model itself "
-            f"({type(model).__name__}), which cannot be replaced in place. Narrow the policy "
-            "to its submodules, or wrap the model yourself: "
-            "`model = xla_wrap.checkpoint_wrapper(model)`."
+            f"({type(model).__name__}): checkpointing all of it keeps only its inputs and "
+            "recomputes the whole forward. Narrow the policy to its submodules, or, if that is "
+            "what you want, wrap the model yourself: `xla_wrap.checkpoint_wrapper(model)`."
         )
     for hook in _hooks.installed():
         hook.check_selection(api, policy, model, [module for _, module in selected])

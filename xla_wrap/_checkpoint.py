@@ -12,11 +12,11 @@ from torch import nn
 from . import _xla
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
-from ._function import run_reentrant
 from ._module_tensors import ModuleTensors
 from ._nonreentrant import run_nonreentrant
 from ._options import CheckpointOptions, make_options
 from ._recompute import CheckpointCall
+from ._reentrant import run_reentrant
 from ._tree import Flat
 
 

@@ -55,7 +55,7 @@ def run_nonreentrant(call: CheckpointCall, inputs: Flat) -> Any:
     frame = _Frame(call.api, selection)
     running = _recording(frame, selection)
     with _selective.active(None):  # xla_wrap's own operations are nobody's to keep
-        record, outputs = record_forward(call, inputs, running)
+        record, outputs, buffers = record_forward(call, inputs, running)
         kept = selection.take_kept(outputs.tensors) if selection else []
         gated = tuple(i for i, t in enumerate(outputs.tensors) if t.requires_grad)
         if not gated:
@@ -67,6 +67,7 @@ def run_nonreentrant(call: CheckpointCall, inputs: Flat) -> Any:
             gated,
             [*inputs.tensors, *kept],
             [decision is cp.Decision.OFFLOAD for decision in decisions],
+            buffers,
             *(outputs.tensors[i] for i in gated),
         )
     tensors = list(outputs.tensors)
@@ -142,10 +143,11 @@ class _Frame:
         record: ForwardRecord,
         inputs: Sequence[torch.Tensor],
         kept: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
     ) -> list[torch.Tensor]:
         """Recompute what the block's graph saved, behind the barrier; the barriered grads."""
-        copies = barrier_for_recompute(record, inputs, grads, kept)
+        copies = barrier_for_recompute(record, inputs, buffers, grads, kept)
         if not self.saved:
             return copies.grads
         store: dict[int, torch.Tensor] = {}
@@ -216,11 +218,12 @@ def _never_unpacked(index: int) -> torch.Tensor:
 
 
 class _OutputGate(torch.autograd.Function):
-    """``apply(frame, record, gated, residuals, offload, *outputs)`` -> aliases of the block's
-    outputs that require grad (output tensors ``gated`` of the record); their backward
-    recomputes the block behind the barrier before the block's graph runs. ``residuals`` are
-    the block's inputs, then the values a policy kept; ``offload`` flags the kept values that
-    wait in host memory."""
+    """``apply(frame, record, gated, residuals, offload, buffers, *outputs)`` -> aliases of
+    the block's outputs that require grad (output tensors ``gated`` of the record); their
+    backward recomputes the block behind the barrier before the block's graph runs.
+    ``residuals`` are the block's inputs, then the values a policy kept; ``offload`` flags the
+    kept values that wait in host memory; ``buffers`` are the owners' buffers as the forward
+    read them."""
 
     @staticmethod
     def forward(
@@ -230,6 +233,7 @@ class _OutputGate(torch.autograd.Function):
         gated: tuple[int, ...],
         residuals: list[torch.Tensor],
         offload: list[bool],
+        buffers: tuple[torch.Tensor, ...],
         *outputs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.frame = frame
@@ -238,7 +242,7 @@ class _OutputGate(torch.autograd.Function):
         saved, ctx.offload_devices = saved_on_host(record, residuals, offload)
         # Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
         # checkpoint swaps them for placeholders of its own.
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, *buffers)
         ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in outputs)
 
@@ -247,12 +251,20 @@ class _OutputGate(torch.autograd.Function):
         frame: _Frame = ctx.frame
         record: ForwardRecord = ctx.record
         refuse_double_backward(record)
-        saved = _offload.to_device(ctx.saved_tensors, ctx.offload_devices)
+        # Read once: under an enclosing checkpoint each read unpacks its placeholders.
+        everything = ctx.saved_tensors
+        n_residuals = len(ctx.offload_devices)  # the residuals, then the buffers
+        saved = _offload.to_device(everything[:n_residuals], ctx.offload_devices)
+        buffers = everything[n_residuals:]
         split = len(record.inputs_require_grad)  # saved[:split] are the block's inputs
         present = [i for i, g in enumerate(grads) if g is not None]
         with _selective.active(None):
             copies = frame.recompute(
-                record, saved[:split], saved[split:], [g for g in grads if g is not None]
+                record,
+                saved[:split],
+                saved[split:],
+                buffers,
+                [g for g in grads if g is not None],
             )
         gradients_arrived(
             record, [ctx.output_positions[i] for i in present], copies, [None] * len(present)
@@ -260,4 +272,4 @@ class _OutputGate(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None] * len(grads)
         for i, grad in zip(present, copies, strict=True):
             out[i] = grad
-        return (None, None, None, None, None, *out)
+        return (None, None, None, None, None, None, *out)

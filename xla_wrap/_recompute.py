@@ -45,15 +45,13 @@ class CheckpointCall:
 @dataclass(frozen=True)
 class ForwardRecord:
     """What the forward of a :class:`CheckpointCall` left for its backward. Made by
-    :func:`record_forward` only; it holds no activation and no input tensor (those live in the
-    engines' saved tensors, which autograd frees with the graph)."""
+    :func:`record_forward` only; it holds no activation, input or buffer tensor (those live in
+    the engines' saved tensors, which autograd frees with the graph)."""
 
     call: CheckpointCall
     inputs: Flat  # the (args, kwargs) structure, tensor leaves as TensorMeta
     outputs: Flat  # the returned structure, tensor leaves as TensorMeta
     inputs_require_grad: tuple[bool, ...]
-    buffers: tuple[torch.Tensor, ...]  # the owners' buffers as the forward read them
-    buffer_versions: tuple[int, ...]  # their version counters when the forward returned
     rng: _rng.RngSnapshot | None
     autocast: _autocast.AutocastSnapshot
     on_xla: bool
@@ -75,49 +73,56 @@ class ForwardRecord:
 
 def record_forward(
     call: CheckpointCall, inputs: Flat, running: AbstractContextManager[Any]
-) -> tuple[ForwardRecord, Flat]:
+) -> tuple[ForwardRecord, Flat, tuple[torch.Tensor, ...]]:
     """Run ``call`` once on ``inputs`` inside the engine's ``running`` context, and record
-    what its backward needs: generator and autocast state, the buffers as read, the structure
-    of inputs and outputs, and what each installed hook remembers about the outputs.
+    what its backward needs: generator and autocast state, the structure of inputs and
+    outputs, and what each installed hook remembers about the outputs.
 
-    Returns the record and the outputs (with their tensors). Raises if the call modified an
-    input in place: the recomputation would start from the modified value.
+    Returns the record, the outputs (with their tensors), and copies of the owners' buffers as
+    the forward read them, which the engine saves for backward beside the inputs. Raises if the
+    call modified an input in place: the recomputation would start from the modified value.
     """
     tensors = inputs.tensors
     owners = call.owners
-    # The forward may update buffers in place (BatchNorm statistics, EMAs); the recomputation
-    # must read them as the forward did, so each is copied first (on XLA the copy shares the
-    # lazy value). A buffer the forward only read (a causal mask, a rotary table) is then kept
-    # as itself: a copy alive until backward costs one buffer per block, in eager memory and,
-    # on XLA, as an output of the step's program.
-    snapshots = [b.detach().clone() for b in owners.buffers]
-    buffer_versions = [b._version for b in owners.buffers]
-    rng = _rng.capture([*tensors, *owners.params, *owners.buffers])
+    # The forward may update buffers in place (BatchNorm statistics, EMAs, `.data` writes that
+    # no version counter sees); the recomputation must read them as the forward did. On XLA the
+    # copy shares the lazy value, and as a saved tensor it is freed with the graph: one still
+    # alive when the step ends would be an output of the step's program.
+    buffers = tuple(_buffer_copy(b) for b in owners.buffers)
+    rng = None
+    if call.options.preserve_rng_state:
+        rng = _rng.capture([*tensors, *owners.params, *owners.buffers])
     autocast = _autocast.capture()
     versions = [t._version for t in tensors]
     with running:
         args, kwargs = inputs.rebuild(tensors)
         outputs = Flat.of(call.function(*args, **kwargs))
     _check_inputs_unchanged(call.api, tensors, versions)
-    buffers = tuple(
-        snapshot if buffer._version != version else buffer
-        for buffer, snapshot, version in zip(
-            owners.buffers, snapshots, buffer_versions, strict=True
-        )
-    )
     record = ForwardRecord(
         call=call,
         inputs=inputs.without_tensors(),
         outputs=outputs.without_tensors(),
         inputs_require_grad=tuple(t.requires_grad for t in tensors),
-        buffers=buffers,
-        buffer_versions=tuple(b._version for b in buffers),
-        rng=rng if call.options.preserve_rng_state else None,
+        rng=rng,
         autocast=autocast,
         on_xla=any(_xla.is_xla_tensor(t) for t in (*tensors, *owners.params, *outputs.tensors)),
         hooks=tuple((hook, hook.on_forward(outputs.tensors)) for hook in _hooks.installed()),
     )
-    return record, outputs
+    return record, outputs, buffers
+
+
+def _buffer_copy(buffer: torch.Tensor) -> torch.Tensor:
+    copy = buffer.detach().clone()
+    setattr(copy, _BUFFER_COPY, True)
+    return copy
+
+
+_BUFFER_COPY = "_xla_wrap_buffer_copy"
+
+
+def is_buffer_copy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a checkpoint's copy of a module buffer as a forward read it."""
+    return getattr(tensor, _BUFFER_COPY, False) is True
 
 
 def saved_on_host(
@@ -144,11 +149,13 @@ class Barriered:
 def barrier_for_recompute(
     record: ForwardRecord,
     inputs: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     kept: Sequence[torch.Tensor] = (),
 ) -> Barriered:
-    """Put the saved ``inputs``, the values a save policy ``kept``, the incoming ``grads`` and
-    the owners' parameters and buffers (as the forward read them) through one barrier.
+    """Put the saved ``inputs``, the values a save policy ``kept``, the incoming ``grads``, the
+    owners' parameters and their saved ``buffers`` (as the forward read them, from
+    :func:`record_forward`) through one barrier.
 
     Saved inputs, kept values and gradients are rewritten in place (their other readers then
     need no pre-barrier copy); parameters and buffers are copied (module state stays). Under
@@ -159,8 +166,6 @@ def barrier_for_recompute(
     graph.
     """
     params = record.call.owners.params
-    buffers = record.buffers
-    _check_buffers_unchanged(record)
     spmd = _xla.spmd_active()
     n = [len(inputs), len(kept), len(grads), len(params), len(buffers)]
     copies = barriered(
@@ -240,24 +245,6 @@ def _check_inputs_unchanged(
                 "from the modified value and give wrong gradients. Make that operation "
                 "out-of-place (for example `nn.ReLU(inplace=False)` as the block's first layer) "
                 "or clone the input inside the callable."
-            )
-
-
-def _check_buffers_unchanged(record: ForwardRecord) -> None:
-    """Refuse a buffer the forward only read that was modified in place before backward: the
-    recomputation would read the new value and give wrong gradients without any error."""
-    owners = record.call.owners
-    for index, (buffer, version) in enumerate(
-        zip(record.buffers, record.buffer_versions, strict=True)
-    ):
-        if buffer._version != version:
-            name = next(name for _, name, i in owners.buffer_slots if i == index)
-            raise CheckpointError(
-                f"{record.api}: the buffer {name!r} ({TensorMeta.of(buffer)}) that the "
-                "checkpointed block read was modified in place between its forward and its "
-                "backward; the recomputation would read the new value and give wrong "
-                f"gradients. Assign a new tensor instead (`module.{name} = new_value`), or "
-                "update it after backward."
             )
 
 

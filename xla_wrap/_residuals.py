@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from . import _xla
 from ._errors import CheckpointTypeError, describe
+from ._recompute import is_buffer_copy
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,10 @@ class Residual:
         dtype: Its dtype.
         nbytes: Its size in bytes.
         kind: ``"input"`` (one of the call's tensor arguments, or a view of one),
-            ``"parameter"`` (another leaf that requires grad, or a view of one), or
-            ``"activation"`` (computed by the forward: what checkpointing exists to shrink).
+            ``"parameter"`` (another leaf that requires grad, or a view of one),
+            ``"buffer"`` (an xla_wrap checkpoint's copy of a module buffer as the forward read
+            it: on XLA free unless the forward changes the buffer), or ``"activation"``
+            (computed by the forward: what checkpointing exists to shrink).
         made_by: For an activation, the op that computed it (``"relu"``, ``"addmm"``); empty
             otherwise.
     """
@@ -134,6 +137,8 @@ def _describe(tensor: torch.Tensor, input_roots: set[int]) -> Residual:
         kind = "input"
     elif root.is_leaf and root.requires_grad:
         kind = "parameter"
+    elif is_buffer_copy(tensor):
+        kind = "buffer"
     else:
         kind = "activation"
         node = tensor.grad_fn

@@ -52,9 +52,7 @@ class CheckpointWrapper(nn.Module):
         # A checkpointed module building another of its own class (nn.Sequential slicing
         # does `type(self)(...)`) gets a plain one, as FSDP2 does: the new module is not
         # checkpointed unless wrapped.
-        module = base.__new__(base)
-        module.__init__(*args, **kwargs)
-        return module
+        return base(*args, **kwargs)
 
     @property
     def checkpoint_options(self) -> CheckpointOptions:
@@ -69,7 +67,10 @@ class CheckpointWrapper(nn.Module):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inner = self.__dict__.get(_INSTANCE_FORWARD) or super().forward
+        inner = self.__dict__.get(_INSTANCE_FORWARD)
+        # A bound method unpickles by name, as this very method: the class's forward then.
+        if inner is None or getattr(inner, "__func__", None) is CheckpointWrapper.forward:
+            inner = super().forward
         return run_checkpointed(
             "xla_wrap.checkpoint_wrapper",
             inner,
@@ -83,12 +84,14 @@ class CheckpointWrapper(nn.Module):
         return f"CheckpointWrapper({super().__repr__()})"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # The generated class cannot be pickled by name; rebuild it from the wrapped class.
-        # A class derived from it again (FSDP2 swaps classes too) pickles as its owner allows.
+        # The generated class cannot be pickled by name; rebuild it from the wrapped class. A
+        # class derived from it again (FSDP2 swaps classes too) is rebuilt as itself, which
+        # pickles where that class can be found by name. The state is what the class would
+        # pickle (an LSTM drops its weak references, a compiled module its compiled call).
         cls = type(self)
         if "_checkpoint_base" not in cls.__dict__:
-            return super().__reduce_ex__(protocol)
-        return (_new_checkpointed, (cls._checkpoint_base,), self.__dict__)
+            return (_new_of_class, (cls,), self.__getstate__())
+        return (_new_checkpointed, (cls._checkpoint_base,), self.__getstate__())
 
 
 def checkpointed_class(base: type[nn.Module]) -> type[CheckpointWrapper]:
@@ -115,6 +118,12 @@ _CLASSES: dict[type[nn.Module], type[CheckpointWrapper]] = {}
 def _new_checkpointed(base: type[nn.Module]) -> CheckpointWrapper:
     """An empty checkpointed module of class ``base``, for unpickling and deep copies."""
     cls = checkpointed_class(base)
+    module: CheckpointWrapper = nn.Module.__new__(cls)
+    return module
+
+
+def _new_of_class(cls: type[CheckpointWrapper]) -> CheckpointWrapper:
+    """An empty module of a class derived from a generated one, for unpickling and copies."""
     module: CheckpointWrapper = nn.Module.__new__(cls)
     return module
 

@@ -31,7 +31,7 @@ def estimated_floor(workload: Workload, checkpointed: Iterable[int]) -> int:
     kept = sum(
         r.nbytes
         for r in saved_residuals(twin.model, *workload.args, **workload.kwargs)
-        if r.kind != "parameter"
+        if r.kind not in ("parameter", "buffer")  # an ideal checkpoint copies no buffer
     )
     internals = largest_output = 0
     h = workload.args[0]

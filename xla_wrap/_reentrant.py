@@ -41,22 +41,30 @@ from ._tree import Flat, TensorMeta
 def run_reentrant(call: CheckpointCall, inputs: Flat) -> Any:
     """Run ``call`` on ``inputs`` without a graph, and return its outputs behind the gate."""
     with torch.no_grad(), _selective.active(None):  # an enclosing policy does not look inside
-        record, outputs = record_forward(call, inputs, contextlib.nullcontext())
+        record, outputs, buffers = record_forward(call, inputs, contextlib.nullcontext())
     tensors = (*inputs.tensors, *call.owners.params)
     anchor = None
     if not any(t.requires_grad for t in tensors):
         anchor = torch.empty(0, requires_grad=True)
-    through = _ReentrantGate.apply(record, anchor, len(tensors), *tensors, *outputs.tensors)
+    through = _ReentrantGate.apply(
+        record, anchor, buffers, len(tensors), *tensors, *outputs.tensors
+    )
     return outputs.rebuild(through)
 
 
 class _ReentrantGate(torch.autograd.Function):
-    """``apply(record, anchor, n, *inputs, *params, *outputs)`` -> aliases of ``outputs``
-    whose backward recomputes the block (``n`` counts the inputs and parameters)."""
+    """``apply(record, anchor, buffers, n, *inputs, *params, *outputs)`` -> aliases of
+    ``outputs`` whose backward recomputes the block (``n`` counts the inputs and parameters;
+    ``buffers`` are the owners' buffers as the forward read them)."""
 
     @staticmethod
     def forward(
-        ctx: Any, record: ForwardRecord, anchor: torch.Tensor | None, n: int, *tensors: torch.Tensor
+        ctx: Any,
+        record: ForwardRecord,
+        anchor: torch.Tensor | None,
+        buffers: tuple[torch.Tensor, ...],
+        n: int,
+        *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         n_inputs = len(record.inputs_require_grad)
         inputs, outputs = tensors[:n_inputs], tensors[n:]
@@ -64,7 +72,7 @@ class _ReentrantGate(torch.autograd.Function):
         ctx.output_positions = tuple(range(len(outputs)))  # as fsdp's sharding record reads
         ctx.n_tensors = n
         saved, ctx.offload_devices = saved_on_host(record, inputs)
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, *buffers)
         ctx.set_materialize_grads(False)
         out = tuple(t.detach() for t in outputs)
         not_differentiable = [t for t in out if not (t.is_floating_point() or t.is_complex())]
@@ -75,6 +83,7 @@ class _ReentrantGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         record: ForwardRecord = ctx.record
+        refuse_double_backward(record)  # first: the other engine refuses it too
         if not torch.autograd._is_checkpoint_valid():
             raise CheckpointError(
                 f"{record.api}: the reentrant engine supports `loss.backward()` only, got "
@@ -83,10 +92,13 @@ class _ReentrantGate(torch.autograd.Function):
                 "Checkpoint with `use_reentrant=False` (the default), whose engine supports "
                 "them, or call `loss.backward()` and read `.grad`."
             )
-        refuse_double_backward(record)
         present = [i for i, g in enumerate(grads) if g is not None]
-        inputs = _offload.to_device(ctx.saved_tensors, ctx.offload_devices)
-        copies = barrier_for_recompute(record, inputs, [g for g in grads if g is not None])
+        saved = ctx.saved_tensors
+        split = len(ctx.offload_devices)  # the block's inputs, then the buffers
+        inputs = _offload.to_device(saved[:split], ctx.offload_devices)
+        copies = barrier_for_recompute(
+            record, inputs, saved[split:], [g for g in grads if g is not None]
+        )
         with replaying(record, copies), _selective.active(None):
             recomputed = Flat.of(record.run(copies.inputs))
         _check_same_outputs(record, recomputed)
@@ -101,8 +113,8 @@ class _ReentrantGate(torch.autograd.Function):
             torch.autograd.backward(outs, out_grads)
         input_grads = [c.grad if c.requires_grad else None for c in copies.inputs]
         param_grads = [c.grad if c.requires_grad else None for c in copies.params]
-        output_grads = [None] * (len(ctx.needs_input_grad) - 3 - ctx.n_tensors)
-        return (None, None, None, *input_grads, *param_grads, *output_grads)
+        output_grads = [None] * (len(ctx.needs_input_grad) - 4 - ctx.n_tensors)
+        return (None, None, None, None, *input_grads, *param_grads, *output_grads)
 
 
 def _check_same_outputs(record: ForwardRecord, again: Flat) -> None:
