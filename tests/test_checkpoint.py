@@ -625,6 +625,57 @@ def test_a_buffer_the_forward_updates_through_data_is_recomputed_as_read(
     assert torch.equal(block.scale, plain.scale)  # updated once, by the forward
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_buffer_a_hook_updates_between_two_calls_is_recomputed_as_each_call_read_it(
+    use_reentrant: bool,
+) -> None:
+    # spectral_norm's pre-hook runs a power iteration on its `weight_u` buffer before every
+    # call: a GAN discriminator called on real and fake data, then one backward.
+    torch.manual_seed(0)
+    plain = nn.utils.spectral_norm(nn.Linear(WIDTH, WIDTH))
+    wrapped = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain), use_reentrant=use_reentrant)
+    real, fake = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    for module in (plain, wrapped):
+        (module(real).tanh().sum() - module(fake).tanh().sum()).backward()
+    if use_reentrant:  # it accumulates the two calls' gradients in another order
+        torch.testing.assert_close(wrapped.weight_orig.grad, plain.weight_orig.grad)
+    else:
+        assert torch.equal(wrapped.weight_orig.grad, plain.weight_orig.grad)
+    assert torch.equal(wrapped.weight_u, plain.weight_u)
+
+
+class ScaledByAHook(nn.Module):
+    """A forward pre-hook sets a tensor computed from a parameter, a new one per call (as
+    spectral_norm and pruning set `weight`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.ones(WIDTH))
+        self.calls = 0
+        self.register_forward_pre_hook(ScaledByAHook.scale_for_this_call)
+
+    @staticmethod
+    def scale_for_this_call(module: ScaledByAHook, args: Any) -> None:
+        module.calls += 1
+        module.scale = module.p * module.calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).sin()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_tensor_a_hook_sets_per_call_is_recomputed_as_each_call_saw_it(
+    use_reentrant: bool,
+) -> None:
+    torch.manual_seed(0)
+    first, second = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    plain = ScaledByAHook()
+    (plain(first).sum() + plain(second).sum()).backward()
+    wrapped = xla_wrap.checkpoint_wrapper(ScaledByAHook(), use_reentrant=use_reentrant)
+    (wrapped(first).sum() + wrapped(second).sum()).backward()
+    assert torch.equal(wrapped.p.grad, plain.p.grad)
+
+
 class AddsShift(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -7,6 +7,12 @@ the copies into the modules' own ``_parameters``/``_buffers`` slots for the dura
 recomputation works for any callable that reaches them through the module (``forward``, other
 methods, ``functools.partial`` of ``__call__``) and also keeps buffer updates made during the
 recomputation (BatchNorm running statistics) out of the real buffers, so they happen once.
+
+Tensors a module holds as plain attributes (views aside) are put back as the forward saw
+them, too (not copied, not barriered): a forward pre-hook of the checkpointed module runs once,
+outside the checkpoint, and may set one per call (``spectral_norm``'s ``weight``, pruning's
+masked weight). A module called twice before backward would otherwise be recomputed with the
+second call's.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ _Slot = tuple[dict[str, torch.Tensor | None], str, int]
 
 @dataclass(frozen=True)
 class ModuleTensors:
-    """The distinct parameters and buffers of some modules and every slot that holds them."""
+    """The distinct parameters and buffers of some modules and every slot that holds them,
+    and the tensors the modules hold as plain attributes when the call starts."""
 
     params: tuple[torch.Tensor, ...]
     buffers: tuple[torch.Tensor, ...]
     param_slots: tuple[_Slot, ...]
     buffer_slots: tuple[_Slot, ...]
+    attributes: tuple[tuple[dict[str, object], str, torch.Tensor], ...] = ()
 
     @classmethod
     def of(cls, modules: Iterable[nn.Module]) -> ModuleTensors:
@@ -39,11 +47,14 @@ class ModuleTensors:
         }
         index_of: dict[int, int] = {}
         seen_modules: set[int] = set()
+        attributes: list[tuple[dict[str, object], str, torch.Tensor]] = []
         for root in modules:
             for module in root.modules():
                 if id(module) in seen_modules:
                     continue
                 seen_modules.add(id(module))
+                state = module.__dict__
+                attributes += [(state, k, v) for k, v in state.items() if _per_call(v)]
                 for kind, (tensors, slots) in found.items():
                     holder: dict[str, torch.Tensor | None] = getattr(module, kind)
                     for name, tensor in holder.items():
@@ -55,7 +66,13 @@ class ModuleTensors:
                             tensors.append(tensor)
                         slots.append((holder, name, index_of[id(tensor)]))
         (params, param_slots), (buffers, buffer_slots) = found.values()
-        return cls(tuple(params), tuple(buffers), tuple(param_slots), tuple(buffer_slots))
+        return cls(
+            tuple(params),
+            tuple(buffers),
+            tuple(param_slots),
+            tuple(buffer_slots),
+            tuple(attributes),
+        )
 
     @contextmanager
     def substituted(
@@ -63,7 +80,12 @@ class ModuleTensors:
     ) -> Iterator[None]:
         """Let the modules read ``params``/``buffers`` in place of their own inside the block."""
         saved: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
+        replaced: list[tuple[dict[str, object], str, object]] = []
         try:
+            for state, name, tensor in self.attributes:
+                if name in state:
+                    replaced.append((state, name, state[name]))
+                    state[name] = tensor
             for slots, name, index in self.param_slots:
                 # A parameter slot its owner removed between forward and backward stays removed
                 # (FSDP1 with use_orig_params=True takes the parameters out, and the block reads
@@ -81,3 +103,12 @@ class ModuleTensors:
         finally:
             for slots, name, original in reversed(saved):
                 slots[name] = original
+            for state, name, value in reversed(replaced):
+                state[name] = value
+
+
+def _per_call(value: object) -> bool:
+    """Whether a plain attribute is a tensor computed for the call (``weight_orig / sigma``),
+    to be read again as it was. Views are left to whoever put them there: FSDP's views of its
+    flat parameter are rebuilt for the recomputation and must be read as they are then."""
+    return type(value) is torch.Tensor and value._base is None
