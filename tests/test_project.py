@@ -94,6 +94,7 @@ def test_save_policies_example_smallest_configuration() -> None:
         ("fsdp_transformer.py", "--layers"),
         ("digits_barrier.py", "--epochs"),
         ("hf_llama.py", "--steps"),
+        ("hf_trainer.py", "--sft"),
         ("save_policies.py", "--blocks"),
     ],
 )
@@ -173,3 +174,19 @@ def test_hf_llama_example_smallest_configuration(tmp_path: Path) -> None:
     assert our_peak < plain_peak
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.subprocess
+@pytest.mark.xla
+def test_hf_trainer_example_smallest_configuration() -> None:
+    pytest.importorskip("torch_xla")
+    pytest.importorskip("accelerate")
+    done = _run_example("hf_trainer.py", "--steps=2", "--layers=2")
+    assert "flag on, xla_wrap installed: compiling and training 2 steps" in done.stdout
+    curve = [line.split() for line in done.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert len(curve) == 2
+    for _, plain, ours in curve:
+        assert float(ours) == pytest.approx(float(plain), rel=1e-5)
+    peaks = next(line for line in done.stdout.splitlines() if line.startswith("compiled peak"))
+    plain_peak, our_peak = (float(part.split()[-1]) for part in peaks.split(":")[1].split(","))
+    assert our_peak < plain_peak

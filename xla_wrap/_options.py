@@ -35,6 +35,10 @@ class CheckpointOptions:
     policy: cp.SavePolicy | None = None
     offload_to_cpu: bool = False
 
+    def as_keywords(self) -> dict[str, Any]:
+        """The options as the keyword arguments of :func:`xla_wrap.checkpoint`."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
 
 def options_from(api: str, options: dict[str, Any]) -> CheckpointOptions:
     """:func:`make_options` for APIs that take the options as ``**kwargs``: an unknown name

@@ -1,14 +1,17 @@
-"""Hugging Face transformers: switch a model's own gradient checkpointing to xla_wrap's.
+"""Hugging Face transformers: checkpoint a model's layers with xla_wrap, through transformers'
+own switch.
 
-transformers' ``model.gradient_checkpointing_enable()`` checkpoints with
-``torch.utils.checkpoint``, which fails on XLA (``module 'torch' has no attribute 'xla'``) and
-would save no memory there anyway. transformers lets a model take another checkpoint function;
-this module hands it :func:`xla_wrap.checkpoint`, which finds each layer's parameters from the
-``functools.partial`` of the layer's ``__call__`` that transformers passes:
+transformers' ``model.gradient_checkpointing_enable()`` and ``TrainingArguments(
+gradient_checkpointing=True)`` checkpoint with ``torch.utils.checkpoint``, which fails on XLA
+(``module 'torch' has no attribute 'xla'``) and would save no memory there anyway.
+transformers lets a model take another checkpoint function. Two ways in:
 
     >>> from xla_wrap.integrations import transformers as xla_hf
-    >>> xla_hf.gradient_checkpointing_enable(model, every_n_layers=2)  # doctest: +SKIP
-    >>> xla_hf.gradient_checkpointing_disable(model)                   # doctest: +SKIP
+    >>> xla_hf.install()      # the flag, Trainer's included, uses xla_wrap on XLA  # doctest: +SKIP
+    >>> xla_hf.gradient_checkpointing_enable(model, every_n_layers=2)  # one model  # doctest: +SKIP
+
+Either way :func:`xla_wrap.checkpoint` finds each layer's parameters from the
+``functools.partial`` of the layer's ``forward`` that transformers passes.
 
 Needs transformers (``pip install 'xla_wrap[hf]'``).
 """
@@ -18,16 +21,26 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import nn
 
-from .._checkpoint import checkpoint
+from .. import _xla
+from .._checkpoint import _unpartial, checkpoint, owning_modules
 from .._errors import CheckpointTypeError, CheckpointValueError, describe
 from .._options import options_from
+from .._tree import Flat
 
-__all__ = ["gradient_checkpointing_disable", "gradient_checkpointing_enable"]
+__all__ = [
+    "gradient_checkpointing_disable",
+    "gradient_checkpointing_enable",
+    "install",
+    "installed",
+    "uninstall",
+]
 
 # The model's config.use_cache while checkpointing is on, restored when it is switched off.
 _SAVED_USE_CACHE = "_xla_wrap_saved_use_cache"
@@ -68,13 +81,7 @@ def gradient_checkpointing_enable(
             "Pass 1 to checkpoint every layer, 2 for every other one."
         )
     options = options_from(api, checkpoint_options)
-    function = functools.partial(
-        checkpoint,
-        preserve_rng_state=options.preserve_rng_state,
-        use_reentrant=options.use_reentrant,
-        policy=options.policy,
-        offload_to_cpu=options.offload_to_cpu,
-    )
+    function = functools.partial(checkpoint, **options.as_keywords())
     pretrained: Any = model  # a PreTrainedModel, checked above
     pretrained._set_gradient_checkpointing(
         enable=True, gradient_checkpointing_func=function, every_n_layers=every_n_layers
@@ -101,6 +108,130 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
     if hasattr(pretrained, _SAVED_USE_CACHE):
         pretrained.config.use_cache = getattr(pretrained, _SAVED_USE_CACHE)
         delattr(pretrained, _SAVED_USE_CACHE)
+
+
+# --- transformers' own switch ---------------------------------------------------------------
+
+# What install() replaced, to put back: transformers' checkpoint function, and its method that
+# builds the checkpoint function for `offload=True` (transformers 5.25 and later).
+_REPLACED: dict[str, Any] = {}
+_EVERYWHERE: list[bool] = [False]
+# Options only xla_wrap's checkpoint takes: asked for by name, xla_wrap runs on any device.
+_XLA_WRAP_ONLY = frozenset({"policy", "offload_to_cpu"})
+
+
+def install(*, everywhere: bool = False) -> None:
+    """Make transformers' own checkpointing switch checkpoint with xla_wrap on XLA.
+
+    Afterwards ``TrainingArguments(gradient_checkpointing=True)`` (``activation_checkpointing``
+    since transformers 5.25), ``model.gradient_checkpointing_enable()`` and
+    ``model.activation_checkpointing_enable()`` checkpoint each layer that runs on an XLA
+    device with :func:`xla_wrap.checkpoint`. Layers on other devices keep
+    ``torch.utils.checkpoint``, unless ``everywhere`` is True or the checkpoint keyword
+    arguments name an option only xla_wrap has (``policy``, ``offload_to_cpu``). The device is
+    looked at in every call, so enabling checkpointing before moving the model works too.
+
+    The keyword arguments (``gradient_checkpointing_kwargs``) go to the checkpoint that runs;
+    xla_wrap takes ``use_reentrant``, ``preserve_rng_state``, ``policy`` and
+    ``offload_to_cpu``, and transformers' ``offload=True`` becomes ``offload_to_cpu=True``.
+    Calling it again only updates ``everywhere``.
+
+    Args:
+        everywhere: Checkpoint with xla_wrap on every device, not only on XLA.
+
+    Raises:
+        ImportError: If transformers is not installed.
+        CheckpointTypeError: If ``everywhere`` is not a bool.
+    """
+    api = "xla_wrap.integrations.transformers.install"
+    if not isinstance(everywhere, bool):
+        raise CheckpointTypeError(
+            f"{api}: expected True or False as `everywhere`, got {describe(everywhere)}."
+        )
+    modeling = _modeling_utils(api)
+    _EVERYWHERE[0] = everywhere
+    if _REPLACED:
+        return
+    _REPLACED["checkpoint"] = modeling.checkpoint
+    modeling.checkpoint = _checkpoint_layer
+    builder = modeling.PreTrainedModel.__dict__.get("_activation_checkpointing_enable")
+    if builder is not None:
+        _REPLACED["_activation_checkpointing_enable"] = builder
+        modeling.PreTrainedModel._activation_checkpointing_enable = _offload_as_an_option
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: transformers checkpoints with ``torch.utils.checkpoint`` again
+    from the next time a model's checkpointing is enabled (models enabled before keep
+    xla_wrap's until then). Does nothing if not installed."""
+    if not _REPLACED:
+        return
+    modeling = _modeling_utils("xla_wrap.integrations.transformers.uninstall")
+    modeling.checkpoint = _REPLACED.pop("checkpoint")
+    if "_activation_checkpointing_enable" in _REPLACED:
+        modeling.PreTrainedModel._activation_checkpointing_enable = _REPLACED.pop(
+            "_activation_checkpointing_enable"
+        )
+    _EVERYWHERE[0] = False
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_REPLACED)
+
+
+def _offload_as_an_option(
+    model: Any,
+    activation_checkpointing_kwargs: dict[str, Any] | None = None,
+    every_n_layers: int = 1,
+    offload: bool = False,
+) -> None:
+    # For offload=True transformers wraps its checkpoint in a pinned-memory `save_on_cpu`, which
+    # cannot hold XLA tensors; the checkpoint takes it as an option instead and decides per
+    # device. transformers' default keyword arguments, when none are given, kept.
+    if offload:
+        given = activation_checkpointing_kwargs or {"use_reentrant": False}
+        activation_checkpointing_kwargs = {**given, "offload": True}
+    _REPLACED["_activation_checkpointing_enable"](
+        model, activation_checkpointing_kwargs, every_n_layers, False
+    )
+
+
+def _checkpoint_layer(function: Callable[..., Any], *args: Any, **options: Any) -> Any:
+    """The checkpoint function transformers calls per layer once :func:`install` ran:
+    ``function`` is the layer's bound forward, ``args`` its tensors, ``options`` the
+    checkpoint keyword arguments."""
+    offload = bool(options.pop("offload", False))
+    if _EVERYWHERE[0] or _XLA_WRAP_ONLY & options.keys() or _runs_on_xla(function, args):
+        api = "xla_wrap.integrations.transformers (installed), per layer"
+        if offload:
+            options["offload_to_cpu"] = True
+        return checkpoint(function, *args, **options_from(api, options).as_keywords())
+    torch_checkpoint = _REPLACED.get("checkpoint", torch.utils.checkpoint.checkpoint)
+    if not offload:
+        return torch_checkpoint(function, *args, **options)
+    # transformers' own offload: pinned host memory where there is a device to pin for.
+    device_type = next((t.device.type for t in _tensors(function, args)), "cpu")
+    with torch.autograd.graph.save_on_cpu(pin_memory=device_type != "cpu"):
+        return torch_checkpoint(function, *args, **options)
+
+
+def _runs_on_xla(function: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    return any(_xla.is_xla_tensor(t) for t in _tensors(function, args))
+
+
+def _tensors(function: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The layer's tensor arguments (those bound in the partial included) and its first
+    parameter: enough to tell the device it runs on."""
+    modules = owning_modules(function, args)
+    _, all_args, kwargs = _unpartial(function, args, {})
+    first_params = [p for m in modules for p in [next(m.parameters(), None)] if p is not None]
+    return [*Flat.of((all_args, kwargs)).tensors, *first_params]
+
+
+def _modeling_utils(api: str) -> Any:
+    _transformers(api)
+    return importlib.import_module("transformers.modeling_utils")
 
 
 def _check_model(api: str, model: Any) -> None:
