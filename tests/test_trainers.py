@@ -21,6 +21,9 @@ pytestmark = [
     # name, `gradient_checkpointing`, is what users set and what this file tests).
     pytest.mark.filterwarnings("ignore:Use torch_xla:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning"
+    ),
     pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning"),
 ]
 
