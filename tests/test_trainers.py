@@ -273,3 +273,81 @@ def test_accelerate_trains_a_checkpointed_model_like_the_plain_one(
     ours, our_peak = _accelerate_run(accelerate, checkpointing=True)
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=0)
     assert our_peak < 0.85 * plain_peak
+
+
+def _lightning_run(checkpointing: bool) -> tuple[list[float], int]:
+    """Four SGD steps of a residual MLP under Lightning's single-device XLA strategy: the
+    losses and the compiled peak."""
+    import lightning
+    import torch_xla.core.xla_model as xm
+    from lightning.pytorch.accelerators import XLAAccelerator
+
+    class XlaCpu(XLAAccelerator):
+        """Lightning's XLA accelerator, told about XLA:CPU's one device: Lightning counts TPU
+        chips only and refuses "tpu" elsewhere (docs/integrations.md). The rest is Lightning's
+        own XLA code (SingleDeviceXLAStrategy, its optimizer step and device transfers)."""
+
+        @staticmethod
+        def auto_device_count() -> int:
+            return 1
+
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+        @staticmethod
+        def parse_devices(devices: Any) -> int:
+            return 1
+
+        @staticmethod
+        def get_parallel_devices(devices: Any) -> list[torch.device]:
+            return [torch.device("xla", 0)]
+
+    class Regression(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*(_Residual() for _ in range(6)), nn.Linear(64, 1))
+            if checkpointing:
+                xla_wrap.apply_activation_checkpointing(self.net, xla_wrap.wrap.by_type(_Residual))
+            self.losses: list[torch.Tensor] = []
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            loss = self.net(batch[0]).pow(2).mean()
+            assert loss.device.type == "xla"
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    module = Regression()
+    draw = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(128 * STEPS, 64, generator=draw))
+    trainer = lightning.Trainer(
+        accelerator=XlaCpu(),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    assert type(trainer.strategy).__name__ == "SingleDeviceXLAStrategy"
+    xm.set_rng_state(0)
+    loader = torch.utils.data.DataLoader(data, batch_size=128)
+    programs = introspect.compiled_programs(lambda: trainer.fit(module, loader))
+    return [float(loss) for loss in module.losses], max(p.total_bytes for p in programs)
+
+
+@pytest.mark.xla
+@pytest.mark.filterwarnings("ignore::UserWarning:lightning.*")
+@pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
+def test_lightning_single_device_xla_trains_a_checkpointed_model_like_the_plain_one(
+    xla_device: torch.device,
+) -> None:
+    pytest.importorskip("lightning")
+    plain, plain_peak = _lightning_run(checkpointing=False)
+    ours, our_peak = _lightning_run(checkpointing=True)
+    assert len(ours) == STEPS
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=0)
+    assert our_peak < 0.85 * plain_peak
