@@ -122,6 +122,60 @@ def test_checkpoint_options_xla_wrap_lacks_are_refused_naming_them(installed: No
         _eager_step(model)
 
 
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_transformers_offload_and_every_n_layers_reach_the_checkpoint(
+    installed: None, everywhere: bool
+) -> None:
+    xla_hf.install(everywhere=everywhere)
+    reference = gpt2(layers=2)
+    expected = _eager_step(reference)
+    model = gpt2(layers=2)
+    model.train()
+    model.activation_checkpointing_enable(offload=True, every_n_layers=2)
+    layers = model.transformer.h
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    # transformers' pinned-memory offload became an option of the checkpoint, which takes it
+    # as offload_to_cpu (xla_wrap) or as transformers' own `save_on_cpu` (elsewhere).
+    assert layers[0]._gradient_checkpointing_func.keywords == {
+        "use_reentrant": False,
+        "offload": True,
+    }
+    seen = _recomputations(model)
+    assert torch.equal(_eager_step(model), expected)
+    assert seen == [False, everywhere]
+    for plain, wrapped in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(plain.grad, wrapped.grad)
+
+
+def test_install_after_a_reload_of_the_integration_still_restores_transformers() -> None:
+    import importlib
+
+    import torch.utils.checkpoint as torch_checkpoint
+    import transformers.modeling_utils as modeling
+
+    xla_hf.install()
+    reloaded = importlib.reload(xla_hf)  # a notebook's autoreload
+    try:
+        reloaded.install()
+        assert reloaded.installed()
+        model = gpt2(layers=1)
+        model.train()
+        model.gradient_checkpointing_enable()
+        _eager_step(model)  # no recursion into the earlier import's function
+    finally:
+        reloaded.uninstall()
+    assert modeling.checkpoint is torch_checkpoint.checkpoint and not xla_hf.installed()
+
+
+def test_pytorch_selective_checkpointing_is_refused_pointing_at_a_policy(installed: None) -> None:
+    xla_hf.install(everywhere=True)
+    model = gpt2(layers=1)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": object()})
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"context_fn.*'policy'"):
+        _eager_step(model)
+
+
 class _Tokens(torch.utils.data.Dataset):
     def __init__(self) -> None:
         self.ids = torch.randint(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -112,9 +113,10 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
 
 # --- transformers' own switch ---------------------------------------------------------------
 
-# What install() replaced, to put back: transformers' checkpoint function, and its method that
-# builds the checkpoint function for `offload=True` (transformers 5.25 and later).
-_REPLACED: dict[str, Any] = {}
+# What install() replaced, kept on transformers' module itself (a reloaded xla_wrap finds it
+# there): transformers' checkpoint function, and its method that builds the checkpoint function
+# for `offload=True` (transformers 5.24 and later).
+_ORIGINALS = "_xla_wrap_originals"
 _EVERYWHERE: list[bool] = [False]
 # Options only xla_wrap's checkpoint takes: asked for by name, xla_wrap runs on any device.
 _XLA_WRAP_ONLY = frozenset({"policy", "offload_to_cpu"})
@@ -123,8 +125,8 @@ _XLA_WRAP_ONLY = frozenset({"policy", "offload_to_cpu"})
 def install(*, everywhere: bool = False) -> None:
     """Make transformers' own checkpointing switch checkpoint with xla_wrap on XLA.
 
-    Afterwards ``TrainingArguments(gradient_checkpointing=True)`` (``activation_checkpointing``
-    since transformers 5.25), ``model.gradient_checkpointing_enable()`` and
+    Afterwards ``TrainingArguments(gradient_checkpointing=True)`` (or
+    ``activation_checkpointing=True``), ``model.gradient_checkpointing_enable()`` and
     ``model.activation_checkpointing_enable()`` checkpoint each layer that runs on an XLA
     device with :func:`xla_wrap.checkpoint`. Layers on other devices keep
     ``torch.utils.checkpoint``, unless ``everywhere`` is True or the checkpoint keyword
@@ -134,7 +136,7 @@ def install(*, everywhere: bool = False) -> None:
     The keyword arguments (``gradient_checkpointing_kwargs``) go to the checkpoint that runs;
     xla_wrap takes ``use_reentrant``, ``preserve_rng_state``, ``policy`` and
     ``offload_to_cpu``, and transformers' ``offload=True`` becomes ``offload_to_cpu=True``.
-    Calling it again only updates ``everywhere``.
+    Calling it again only updates ``everywhere`` (for every model, process-wide).
 
     Args:
         everywhere: Checkpoint with xla_wrap on every device, not only on XLA.
@@ -150,13 +152,15 @@ def install(*, everywhere: bool = False) -> None:
         )
     modeling = _modeling_utils(api)
     _EVERYWHERE[0] = everywhere
-    if _REPLACED:
-        return
-    _REPLACED["checkpoint"] = modeling.checkpoint
+    if _ORIGINALS not in vars(modeling):
+        originals = {"checkpoint": modeling.checkpoint}
+        builder = modeling.PreTrainedModel.__dict__.get("_activation_checkpointing_enable")
+        if builder is not None:
+            originals["_activation_checkpointing_enable"] = builder
+        setattr(modeling, _ORIGINALS, originals)
+    # Always this module's functions, also over an earlier import's.
     modeling.checkpoint = _checkpoint_layer
-    builder = modeling.PreTrainedModel.__dict__.get("_activation_checkpointing_enable")
-    if builder is not None:
-        _REPLACED["_activation_checkpointing_enable"] = builder
+    if "_activation_checkpointing_enable" in _originals():
         modeling.PreTrainedModel._activation_checkpointing_enable = _offload_as_an_option
 
 
@@ -164,20 +168,27 @@ def uninstall() -> None:
     """Undo :func:`install`: transformers checkpoints with ``torch.utils.checkpoint`` again
     from the next time a model's checkpointing is enabled (models enabled before keep
     xla_wrap's until then). Does nothing if not installed."""
-    if not _REPLACED:
+    if not installed():
         return
     modeling = _modeling_utils("xla_wrap.integrations.transformers.uninstall")
-    modeling.checkpoint = _REPLACED.pop("checkpoint")
-    if "_activation_checkpointing_enable" in _REPLACED:
-        modeling.PreTrainedModel._activation_checkpointing_enable = _REPLACED.pop(
-            "_activation_checkpointing_enable"
-        )
+    originals = vars(modeling).pop(_ORIGINALS)
+    modeling.checkpoint = originals["checkpoint"]
+    if "_activation_checkpointing_enable" in originals:
+        builder = originals["_activation_checkpointing_enable"]
+        modeling.PreTrainedModel._activation_checkpointing_enable = builder
     _EVERYWHERE[0] = False
 
 
 def installed() -> bool:
     """Whether :func:`install` is in effect."""
-    return bool(_REPLACED)
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and _ORIGINALS in vars(modeling)
+
+
+def _originals() -> dict[str, Any]:
+    modeling = sys.modules.get("transformers.modeling_utils")
+    originals: dict[str, Any] = vars(modeling).get(_ORIGINALS, {}) if modeling else {}
+    return originals
 
 
 def _offload_as_an_option(
@@ -192,27 +203,35 @@ def _offload_as_an_option(
     if offload:
         given = activation_checkpointing_kwargs or {"use_reentrant": False}
         activation_checkpointing_kwargs = {**given, "offload": True}
-    _REPLACED["_activation_checkpointing_enable"](
+    _originals()["_activation_checkpointing_enable"](
         model, activation_checkpointing_kwargs, every_n_layers, False
     )
 
 
 def _checkpoint_layer(function: Callable[..., Any], *args: Any, **options: Any) -> Any:
     """The checkpoint function transformers calls per layer once :func:`install` ran:
-    ``function`` is the layer's bound forward, ``args`` its tensors, ``options`` the
-    checkpoint keyword arguments."""
+    ``function`` is ``partial(Layer.forward, layer, **kwargs)``, ``args`` the layer's
+    positional tensors, ``options`` the checkpoint keyword arguments."""
     offload = bool(options.pop("offload", False))
-    if _EVERYWHERE[0] or _XLA_WRAP_ONLY & options.keys() or _runs_on_xla(function, args):
+    if _EVERYWHERE[0] or not _XLA_WRAP_ONLY.isdisjoint(options) or _runs_on_xla(function, args):
         api = "xla_wrap.integrations.transformers (installed), per layer"
+        if "context_fn" in options:
+            raise CheckpointValueError(
+                f"{api}: expected checkpoint options xla_wrap takes, got `context_fn` (PyTorch's "
+                "selective checkpointing, which TRL's `selective=True` sets). Choose what to "
+                "keep with an xla_wrap save policy instead: "
+                "`gradient_checkpointing_kwargs={'policy': 'dots_saveable'}`."
+            )
         if offload:
             options["offload_to_cpu"] = True
         return checkpoint(function, *args, **options_from(api, options).as_keywords())
-    torch_checkpoint = _REPLACED.get("checkpoint", torch.utils.checkpoint.checkpoint)
+    torch_checkpoint = _originals().get("checkpoint", torch.utils.checkpoint.checkpoint)
     if not offload:
         return torch_checkpoint(function, *args, **options)
     # transformers' own offload: pinned host memory where there is a device to pin for.
-    device_type = next((t.device.type for t in _tensors(function, args)), "cpu")
-    with torch.autograd.graph.save_on_cpu(pin_memory=device_type != "cpu"):
+    devices = [t.device.type for t in _tensors(function, args)]
+    device_type = next((d for d in devices if d != "cpu"), "cpu")
+    with torch.autograd.graph.save_on_cpu(pin_memory=device_type != "cpu", device_type=device_type):
         return torch_checkpoint(function, *args, **options)
 
 
