@@ -165,13 +165,7 @@ def test_hf_llama_example_smallest_configuration(tmp_path: Path) -> None:
         f"--out={tmp_path / 'loss.png'}",
     )
     assert "xla_wrap: step 4/4" in done.stdout  # progress is shown
-    curve = [line.split() for line in done.stdout.splitlines() if line[:4].strip().isdigit()]
-    assert len(curve) == 4
-    for _, plain, ours in curve:
-        assert float(ours) == pytest.approx(float(plain), abs=1e-5)
-    peaks = next(line for line in done.stdout.splitlines() if line.startswith("compiled peak"))
-    plain_peak, our_peak = (float(part.split()[-1]) for part in peaks.split(":")[1].split(","))
-    assert our_peak < plain_peak
+    _assert_same_curves_and_a_lower_peak(done.stdout, steps=4, abs=1e-5)
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "loss.png").stat().st_size > 0
 
@@ -183,10 +177,16 @@ def test_hf_trainer_example_smallest_configuration() -> None:
     pytest.importorskip("accelerate")
     done = _run_example("hf_trainer.py", "--steps=2", "--layers=2")
     assert "flag on, xla_wrap installed: compiling and training 2 steps" in done.stdout
-    curve = [line.split() for line in done.stdout.splitlines() if line[:4].strip().isdigit()]
-    assert len(curve) == 2
+    _assert_same_curves_and_a_lower_peak(done.stdout, steps=2, rel=1e-5)
+
+
+def _assert_same_curves_and_a_lower_peak(stdout: str, steps: int, **tolerance: float) -> None:
+    """An example's table of two loss curves ("step plain ours") agrees within ``tolerance``,
+    and its "compiled peak (MiB): plain P, ours Q" line has Q below P."""
+    curve = [line.split() for line in stdout.splitlines() if line[:4].strip().isdigit()]
+    assert len(curve) == steps
     for _, plain, ours in curve:
-        assert float(ours) == pytest.approx(float(plain), rel=1e-5)
-    peaks = next(line for line in done.stdout.splitlines() if line.startswith("compiled peak"))
+        assert float(ours) == pytest.approx(float(plain), **tolerance)
+    peaks = next(line for line in stdout.splitlines() if line.startswith("compiled peak"))
     plain_peak, our_peak = (float(part.split()[-1]) for part in peaks.split(":")[1].split(","))
     assert our_peak < plain_peak
