@@ -405,3 +405,35 @@ def test_lightning_single_device_xla_trains_a_checkpointed_model_like_the_plain_
     assert len(ours) == STEPS
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=0)
     assert our_peak < 0.85 * plain_peak
+
+
+@pytest.mark.xla
+@pytest.mark.subprocess
+def test_trainer_with_xla_fsdpv2_trains_like_fsdpv2_alone_with_either_route() -> None:
+    pytest.importorskip("torch_xla")
+    pytest.importorskip("accelerate")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("_trainer_fsdpv2_worker.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
+    done = subprocess.run(
+        [sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    for how, run in runs.items():
+        assert "error" not in run, (how, run.get("error"))
+        assert run["fsdp_units"] == 5, how  # the root and one unit per layer, found by name
+    plain = runs["plain"]
+    assert len(plain["losses"]) == 4 and not plain["recomputed_by_xla_wrap"]
+    for how in ("apply_activation_checkpointing", "flag after install()"):
+        assert runs[how]["recomputed_by_xla_wrap"], how
+        torch.testing.assert_close(runs[how]["losses"], plain["losses"], rtol=1e-5, atol=0)
+    applied = runs["apply_activation_checkpointing"]
+    assert applied["peak_bytes"] < 0.9 * plain["peak_bytes"]
+    # Both routes build the same program: the second run found it in XLA's cache.
+    assert applied["compiled"] and not runs["flag after install()"]["compiled"]
