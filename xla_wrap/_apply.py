@@ -31,9 +31,9 @@ def apply_activation_checkpointing(
     selected children are already wrapped. The root is never wrapped (a policy means the blocks
     inside it; to checkpoint a whole model, call :func:`checkpoint_wrapper` on it). Selected
     modules are checkpointed in place, as :func:`checkpoint_wrapper` does: they keep their
-    class, names and places. A
-    module reachable under several names is offered once. A module already checkpointed is
-    left as it is, and nothing inside it is offered (that would nest checkpoints).
+    class, names and places. A module reachable under several names is offered once. A module
+    already checkpointed is left as it is, and nothing inside it is offered (that would nest
+    checkpoints).
 
     Args:
         model: The model to modify.

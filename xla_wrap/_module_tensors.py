@@ -37,7 +37,7 @@ class ModuleTensors:
     buffers: tuple[torch.Tensor, ...]
     param_slots: tuple[_Slot, ...]
     buffer_slots: tuple[_Slot, ...]
-    attributes: tuple[tuple[dict[str, object], str, torch.Tensor], ...] = ()
+    attributes: tuple[tuple[dict[str, object], str, torch.Tensor], ...]
 
     @classmethod
     def of(cls, modules: Iterable[nn.Module]) -> ModuleTensors:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import _offload, _selective
+from . import _selective
 from . import checkpoint_policies as cp
 from ._errors import CheckpointError
 from ._recompute import (
@@ -40,7 +40,8 @@ from ._recompute import (
     record_forward,
     refuse_double_backward,
     replaying,
-    saved_on_host,
+    save_for_recompute,
+    saved_for_recompute,
 )
 from ._tree import Flat
 
@@ -239,10 +240,7 @@ class _OutputGate(torch.autograd.Function):
         ctx.frame = frame
         ctx.record = record
         ctx.output_positions = gated  # as fsdp's sharding record reads
-        saved, ctx.offload_devices = saved_on_host(record, residuals, offload)
-        # Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
-        # checkpoint swaps them for placeholders of its own.
-        ctx.save_for_backward(*saved, *buffers)
+        save_for_recompute(ctx, record, residuals, buffers, offload)
         ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in outputs)
 
@@ -251,11 +249,7 @@ class _OutputGate(torch.autograd.Function):
         frame: _Frame = ctx.frame
         record: ForwardRecord = ctx.record
         refuse_double_backward(record)
-        # Read once: under an enclosing checkpoint each read unpacks its placeholders.
-        everything = ctx.saved_tensors
-        n_residuals = len(ctx.offload_devices)  # the residuals, then the buffers
-        saved = _offload.to_device(everything[:n_residuals], ctx.offload_devices)
-        buffers = everything[n_residuals:]
+        saved, buffers = saved_for_recompute(ctx)
         split = len(record.inputs_require_grad)  # saved[:split] are the block's inputs
         present = [i for i, g in enumerate(grads) if g is not None]
         with _selective.active(None):

@@ -125,14 +125,32 @@ def is_buffer_copy(tensor: torch.Tensor) -> bool:
     return getattr(tensor, _BUFFER_COPY, False) is True
 
 
-def saved_on_host(
-    record: ForwardRecord, residuals: Sequence[torch.Tensor], offload: Sequence[bool] = ()
-) -> tuple[list[torch.Tensor], list[torch.device | None]]:
-    """The tensors a gate saves for backward (the block's inputs, then ``offload``-flagged
-    kept values), moved to host memory where the options or flags say so."""
+def save_for_recompute(
+    ctx: Any,
+    record: ForwardRecord,
+    residuals: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    offload: Sequence[bool] = (),
+) -> None:
+    """Save, as ``ctx``'s saved tensors, what a gate's backward recomputes from: the
+    ``residuals`` (the block's inputs, then ``offload``-flagged kept values), moved to host
+    memory where the options or flags say so, and the ``buffers`` from :func:`record_forward`.
+    Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
+    checkpoint swaps them for placeholders of its own."""
     wanted = [record.call.options.offload_to_cpu] * (len(residuals) - len(offload))
     wanted += [record.call.options.offload_to_cpu or flag for flag in offload]
-    return _offload.to_host(residuals, wanted)
+    saved, ctx.offload_devices = _offload.to_host(residuals, wanted)
+    ctx.save_for_backward(*saved, *buffers)
+
+
+def saved_for_recompute(ctx: Any) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """What :func:`save_for_recompute` saved: the residuals, back on their devices, and the
+    buffers. Reads ``ctx.saved_tensors`` once: under an enclosing checkpoint each read unpacks
+    its placeholders."""
+    everything = ctx.saved_tensors
+    n_residuals = len(ctx.offload_devices)
+    residuals = _offload.to_device(everything[:n_residuals], ctx.offload_devices)
+    return residuals, everything[n_residuals:]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import _offload, _selective
+from . import _selective
 from ._errors import CheckpointError
 from ._recompute import (
     CheckpointCall,
@@ -33,7 +33,8 @@ from ._recompute import (
     record_forward,
     refuse_double_backward,
     replaying,
-    saved_on_host,
+    save_for_recompute,
+    saved_for_recompute,
 )
 from ._tree import Flat, TensorMeta
 
@@ -71,8 +72,7 @@ class _ReentrantGate(torch.autograd.Function):
         ctx.record = record
         ctx.output_positions = tuple(range(len(outputs)))  # as fsdp's sharding record reads
         ctx.n_tensors = n
-        saved, ctx.offload_devices = saved_on_host(record, inputs)
-        ctx.save_for_backward(*saved, *buffers)
+        save_for_recompute(ctx, record, inputs, buffers)
         ctx.set_materialize_grads(False)
         out = tuple(t.detach() for t in outputs)
         not_differentiable = [t for t in out if not (t.is_floating_point() or t.is_complex())]
@@ -93,12 +93,8 @@ class _ReentrantGate(torch.autograd.Function):
                 "them, or call `loss.backward()` and read `.grad`."
             )
         present = [i for i, g in enumerate(grads) if g is not None]
-        saved = ctx.saved_tensors
-        split = len(ctx.offload_devices)  # the block's inputs, then the buffers
-        inputs = _offload.to_device(saved[:split], ctx.offload_devices)
-        copies = barrier_for_recompute(
-            record, inputs, saved[split:], [g for g in grads if g is not None]
-        )
+        inputs, buffers = saved_for_recompute(ctx)
+        copies = barrier_for_recompute(record, inputs, buffers, [g for g in grads if g is not None])
         with replaying(record, copies), _selective.active(None):
             recomputed = Flat.of(record.run(copies.inputs))
         _check_same_outputs(record, recomputed)

@@ -113,11 +113,10 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
 
 # --- transformers' own switch ---------------------------------------------------------------
 
-# What install() replaced, kept on transformers' module itself (a reloaded xla_wrap finds it
-# there): transformers' checkpoint function, and its method that builds the checkpoint function
-# for `offload=True` (transformers 5.24 and later).
+# install()'s state, kept on transformers' module itself (a reloaded xla_wrap finds it there):
+# what it replaced (transformers' checkpoint function, and its method that builds the
+# checkpoint function for `offload=True`, transformers 5.24 and later) and `everywhere`.
 _ORIGINALS = "_xla_wrap_originals"
-_EVERYWHERE: list[bool] = [False]
 # Options only xla_wrap's checkpoint takes: asked for by name, xla_wrap runs on any device.
 _XLA_WRAP_ONLY = frozenset({"policy", "offload_to_cpu"})
 
@@ -151,13 +150,13 @@ def install(*, everywhere: bool = False) -> None:
             f"{api}: expected True or False as `everywhere`, got {describe(everywhere)}."
         )
     modeling = _modeling_utils(api)
-    _EVERYWHERE[0] = everywhere
     if _ORIGINALS not in vars(modeling):
         originals = {"checkpoint": modeling.checkpoint}
         builder = modeling.PreTrainedModel.__dict__.get("_activation_checkpointing_enable")
         if builder is not None:
             originals["_activation_checkpointing_enable"] = builder
         setattr(modeling, _ORIGINALS, originals)
+    _originals()["everywhere"] = everywhere
     # Always this module's functions, also over an earlier import's.
     modeling.checkpoint = _checkpoint_layer
     if "_activation_checkpointing_enable" in _originals():
@@ -176,16 +175,15 @@ def uninstall() -> None:
     if "_activation_checkpointing_enable" in originals:
         builder = originals["_activation_checkpointing_enable"]
         modeling.PreTrainedModel._activation_checkpointing_enable = builder
-    _EVERYWHERE[0] = False
 
 
 def installed() -> bool:
     """Whether :func:`install` is in effect."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return modeling is not None and _ORIGINALS in vars(modeling)
+    return bool(_originals())
 
 
 def _originals() -> dict[str, Any]:
+    """install()'s state; empty when not installed (transformers not imported included)."""
     modeling = sys.modules.get("transformers.modeling_utils")
     originals: dict[str, Any] = vars(modeling).get(_ORIGINALS, {}) if modeling else {}
     return originals
@@ -213,7 +211,8 @@ def _checkpoint_layer(function: Callable[..., Any], *args: Any, **options: Any) 
     ``function`` is ``partial(Layer.forward, layer, **kwargs)``, ``args`` the layer's
     positional tensors, ``options`` the checkpoint keyword arguments."""
     offload = bool(options.pop("offload", False))
-    if _EVERYWHERE[0] or not _XLA_WRAP_ONLY.isdisjoint(options) or _runs_on_xla(function, args):
+    everywhere = _originals().get("everywhere", False)
+    if everywhere or not _XLA_WRAP_ONLY.isdisjoint(options) or _runs_on_xla(function, args):
         api = "xla_wrap.integrations.transformers (installed), per layer"
         if "context_fn" in options:
             raise CheckpointValueError(
@@ -242,10 +241,13 @@ def _runs_on_xla(function: Callable[..., Any], args: tuple[Any, ...]) -> bool:
 def _tensors(function: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
     """The layer's tensor arguments (those bound in the partial included) and its first
     parameter: enough to tell the device it runs on."""
-    modules = owning_modules(function, args)
     _, all_args, kwargs = _unpartial(function, args, {})
-    first_params = [p for m in modules for p in [next(m.parameters(), None)] if p is not None]
-    return [*Flat.of((all_args, kwargs)).tensors, *first_params]
+    tensors = list(Flat.of((all_args, kwargs)).tensors)
+    for module in owning_modules(function, args):
+        first = next(module.parameters(), None)
+        if first is not None:
+            tensors.append(first)
+    return tensors
 
 
 def _modeling_utils(api: str) -> Any:
