@@ -127,7 +127,9 @@ def test_the_sharded_model_takes_a_divisible_batch_and_the_tools_that_run_on_xla
 def test_the_save_policy_runs_on_the_transformer_and_the_engine_comparison_on_request() -> None:
     from xla_wrap.bench._cli import _variants_for
 
-    default = parse_args([]).variants.split(",")
+    from xla_wrap.bench._cli import _DEFAULT_VARIANTS
+
+    default = _DEFAULT_VARIANTS.split(",")
     assert "xla_wrap dots_saveable" in default and "xla_wrap reentrant" not in default
     assert "xla_wrap dots_saveable" in _variants_for("transformer", default)
     assert "xla_wrap dots_saveable" not in _variants_for("conv", default)
@@ -148,3 +150,24 @@ def test_the_transformer_can_keep_its_mask_as_a_buffer_with_the_same_loss() -> N
         workload.model.eval()  # no Dropout: the two must compute the same loss
     loss = as_argument.model(*as_argument.args, **as_argument.kwargs)
     assert torch.equal(as_buffer.model(*as_buffer.args), loss)
+
+
+def test_the_depth_sweep_runs_loops_against_scans_at_each_depth() -> None:
+    from xla_wrap.bench._cli import _groups
+    from xla_wrap.bench._variants import DEPTH_VARIANTS
+
+    args = parse_args(["--depth", "12,48"])
+    groups = _groups(args, ["transformer"], ["none"], explicit=False)
+    assert [(label, model) for label, model, _, _ in groups] == [
+        ("transformer, 12 blocks", "transformer"),
+        ("transformer, 48 blocks", "transformer"),
+    ]
+    for (_, _, sizes, variants), depth in zip(groups, (12, 48), strict=True):
+        assert sizes["blocks"] == depth and sizes["mask_buffer"] == 1
+        assert sizes["dropout_pct"] == 0  # torch_xla's scan_layers crashes with Dropout
+        assert variants == list(DEPTH_VARIANTS)
+    chosen = parse_args(["--depth", "4", "--size", "transformer.dropout_pct=10"])
+    [(_, _, sizes, variants)] = _groups(chosen, ["transformer"], ["none", "xla_wrap"], True)
+    assert sizes["dropout_pct"] == 10 and variants == ["none", "xla_wrap"]
+    with pytest.raises(SystemExit):
+        parse_args(["--depth", "12,0"])

@@ -58,6 +58,44 @@ def test_flops_and_counts_in_hlo_text() -> None:
     assert introspect.count_instructions(_HLO, "convolution") == 1
 
 
+_LOOP_MODULE = """HloModule loop
+
+%fused (param_0: f32[8,16], param_1: f32[16,32]) -> f32[8,32] {
+  %param_0 = f32[8,16]{1,0} parameter(0)
+  %param_1 = f32[16,32]{1,0} parameter(1)
+  ROOT %dot.9 = f32[8,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+}
+
+%Body.1 (p.1: (s64[], f32[8,16], f32[16,32])) -> (s64[], f32[8,16], f32[16,32]) {
+  %p.1 = (s64[], f32[8,16]{1,0}, f32[16,32]{1,0}) parameter(0)
+  %a.1 = f32[8,16]{1,0} get-tuple-element(%p.1), index=1
+  %b.1 = f32[16,32]{1,0} get-tuple-element(%p.1), index=2
+  %fusion.1 = f32[8,32]{1,0} fusion(%a.1, %b.1), kind=kOutput, calls=%fused
+  ROOT %t.1 = (s64[], f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(%i.1, %a.1, %b.1)
+}
+
+%Cond.1 (p.2: (s64[], f32[8,16], f32[16,32])) -> pred[] {
+  %p.2 = (s64[], f32[8,16]{1,0}, f32[16,32]{1,0}) parameter(0)
+  ROOT %lt.1 = pred[] compare(%i.2, %n.2), direction=LT
+}
+
+ENTRY %main (x: f32[8,16], w: f32[16,32]) -> f32[8,32] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,32]{1,0} parameter(1)
+  %once = f32[8,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}
+  %while.0 = (s64[], f32[8,16]{1,0}, f32[16,32]{1,0}) while(%tuple.0), condition=%Cond.1, body=%Body.1, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
+  ROOT %r = f32[8,32]{1,0} copy(%once)
+}
+"""
+
+
+def test_flops_count_a_loop_body_once_per_known_iteration() -> None:
+    dot = 2 * 8 * 32 * 16
+    assert introspect.hlo_flops(_LOOP_MODULE) == dot + 5 * dot  # the body's dot, in a fusion
+    unknown = _LOOP_MODULE.replace('"known_trip_count":{"n":"5"},', "")
+    assert introspect.hlo_flops(unknown) == 2 * dot  # trip count unknown: once
+
+
 _GATHERS = """
   %shard = f32[4]{0} parameter(0)
   %barrier = (f32[4]{0}, f32[2]{0}) opt-barrier((f32[4]{0}, f32[2]{0}) %tuple.1)

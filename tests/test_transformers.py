@@ -224,3 +224,40 @@ def test_transformers_layers_with_a_save_policy_bitwise_on_eager_cpu(
     # checkpointing recomputes.
     assert activations(twin) > activations(full)
     _assert_trains_bitwise_alike(plain, twin)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("make", MODELS)
+def test_scanned_transformers_layers_give_the_loops_loss_and_gradients(
+    make: Callable[..., nn.Module], xla_device: torch.device
+) -> None:
+    """``scan=True``: the decoder layers run as one scanned stack. Compared in eval mode (no
+    Dropout: the scanned stack draws its own masks) with the loop on XLA. (Against eager CPU,
+    GPT-2's tied embedding gradient differs on XLA already without xla_wrap.)"""
+    import torch_xla
+
+    torch.manual_seed(0)
+    plain = make(layers=3).eval()
+    plain.config.use_cache = False
+    twin = copy.deepcopy(plain)
+    xla_hf.gradient_checkpointing_enable(twin, scan=True, policy="dots_saveable")
+    scanned = [m for m in twin.modules() if isinstance(m, xla_wrap.ScannedLayers)]
+    assert len(scanned) == 1 and len(scanned[0]) == 3
+    assert list(twin.state_dict()) == list(plain.state_dict())
+    runs = []
+    for model in (plain, twin):
+        model.to(xla_device)
+        loss, grads = _step(model, _ids(xla_device))
+        torch_xla.sync()
+        runs.append((loss.cpu(), [g.cpu() for g in grads]))
+    (expected_loss, expected), (loss, grads) = runs
+    assert float(loss) == pytest.approx(float(expected_loss), rel=1e-5)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    xla_hf.gradient_checkpointing_disable(twin)
+    assert not any(isinstance(m, xla_wrap.ScannedLayers) for m in twin.modules())
+
+
+def test_scan_refuses_options_it_cannot_apply() -> None:
+    with pytest.raises(xla_wrap.CheckpointValueError, match="every_n_layers=2"):
+        xla_hf.gradient_checkpointing_enable(llama(), scan=True, every_n_layers=2)

@@ -22,6 +22,9 @@ from ._errors import CheckpointTypeError as CheckpointTypeError
 from ._errors import CheckpointValueError as CheckpointValueError
 from ._errors import XlaWrapError as XlaWrapError
 from ._options import CheckpointOptions as CheckpointOptions
+from ._scan import scan_layers as scan_layers
+from ._scanned import ScannedLayers as ScannedLayers
+from ._scanned import apply_scan as apply_scan
 from ._selective import checkpoint_name as checkpoint_name
 from ._state import is_recomputing as is_recomputing
 from ._wrapper import CheckpointWrapper as CheckpointWrapper
@@ -37,8 +40,10 @@ __all__ = [
     "CheckpointTypeError",
     "CheckpointValueError",
     "CheckpointWrapper",
+    "ScannedLayers",
     "XlaWrapError",
     "apply_activation_checkpointing",
+    "apply_scan",
     "checkpoint",
     "checkpoint_name",
     "checkpoint_policies",
@@ -48,6 +53,7 @@ __all__ = [
     "introspect",
     "is_recomputing",
     "optimization_barrier",
+    "scan_layers",
     "unwrap",
     "wrap",
 ]

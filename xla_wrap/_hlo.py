@@ -121,31 +121,89 @@ def _instructions(hlo: str) -> list[_Instruction]:
 
 
 def flops(hlo: str) -> int:
-    """Floating-point operations of the dots and convolutions in ``hlo`` (2 per multiply-add).
+    """Floating-point operations of the dots and convolutions in ``hlo`` (2 per multiply-add),
+    as executed: a While loop's body counts once per iteration where XLA knows the trip count
+    (``known_trip_count``, which it annotates on the optimized HLO), else once.
 
     Elementwise work is left out: it is small next to matmuls and convolutions, and it is what
     XLA fuses differently from run to run. Matmuls a backend rewrote into custom calls (cuBLAS,
-    oneDNN) are not seen, and a dot inside a loop body counts once.
+    oneDNN) are not seen.
     """
     instructions = _instructions(hlo)
     dims = {i.name: i.dims for i in instructions}
-    total = 0
-    for inst in instructions:
-        if inst.opcode not in FLOP_OPCODES or len(inst.operands) < 2:
-            continue
-        out = math.prod(inst.dims)
-        lhs, rhs = (dims.get(o) for o in inst.operands[:2])
-        if inst.opcode == "dot" and lhs is not None:
-            match = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
-            contracted = [int(d) for d in match.group(1).split(",") if d] if match else []
-            total += 2 * out * math.prod(lhs[d] for d in contracted)
-        elif inst.opcode == "convolution" and rhs is not None:
-            match = re.search(r"dim_labels=\w+_(\w+)->", inst.attributes)
-            if match is None or len(match.group(1)) != len(rhs):
-                continue
-            kernel = match.group(1)
-            total += 2 * out * math.prod(rhs) // rhs[kernel.index("o")]
-    return total
+    computations = _computations(hlo)
+    if not computations:  # a fragment without computation headers: every dot once
+        return sum(_dot_flops(inst, dims) for inst in instructions)
+    by_name = {name: body for name, body, _ in computations}
+    memo: dict[str, int] = {}
+
+    def of(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # a (never seen) cycle counts nothing
+            total = 0
+            for inst in _instructions(by_name.get(name, "")):
+                total += _dot_flops(inst, dims)
+                called = re.findall(
+                    r"(?:calls|to_apply|condition|body)=(%[\w.\-]+)", inst.attributes
+                )
+                branches = re.findall(
+                    r"%[\w.\-]+", _attribute(inst.attributes, "branch_computations")
+                )
+                branches += re.findall(r"(?:true|false)_computation=(%[\w.\-]+)", inst.attributes)
+                inner = sum(of(c) for c in called)
+                if inst.opcode == "while":
+                    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attributes)
+                    inner *= int(trips.group(1)) if trips else 1
+                total += inner + max((of(b) for b in branches), default=0)
+            memo[name] = total
+        return memo[name]
+
+    entry = next((name for name, _, is_entry in computations if is_entry), computations[-1][0])
+    return of(entry)
+
+
+def _attribute(attributes: str, key: str) -> str:
+    match = re.search(key + r"=\{([^}]*)\}", attributes)
+    return match.group(1) if match else ""
+
+
+# `[ENTRY] %name (params) -> shape {` opens a computation; a line `}` closes it.
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?(%[\w.\-]+)\s*\(.*\{\s*$")
+
+
+def _computations(hlo: str) -> list[tuple[str, str, bool]]:
+    """(name, body text, is the entry) per computation of a module's text."""
+    found: list[tuple[str, str, bool]] = []
+    current: tuple[str, bool] | None = None
+    lines: list[str] = []
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None and current is None:
+            current, lines = (header.group(2), bool(header.group(1))), []
+        elif current is not None and line.strip() == "}":
+            found.append((current[0], "\n".join(lines), current[1]))
+            current = None
+        elif current is not None:
+            lines.append(line)
+    return found
+
+
+def _dot_flops(inst: _Instruction, dims: dict[str, tuple[int, ...]]) -> int:
+    if inst.opcode not in FLOP_OPCODES or len(inst.operands) < 2:
+        return 0
+    out = math.prod(inst.dims)
+    lhs, rhs = (dims.get(o) for o in inst.operands[:2])
+    if inst.opcode == "dot" and lhs is not None:
+        match = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
+        contracted = [int(d) for d in match.group(1).split(",") if d] if match else []
+        return 2 * out * math.prod(lhs[d] for d in contracted)
+    if inst.opcode == "convolution" and rhs is not None:
+        match = re.search(r"dim_labels=\w+_(\w+)->", inst.attributes)
+        if match is None or len(match.group(1)) != len(rhs):
+            return 0
+        kernel = match.group(1)
+        return 2 * out * math.prod(rhs) // rhs[kernel.index("o")]
+    return 0
 
 
 @dataclass(frozen=True)

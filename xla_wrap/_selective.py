@@ -62,6 +62,7 @@ class Selection:
         # block's output once that tensor is freed.
         self._sources: list[weakref.ref[torch.Tensor]] = []
         self._substitutes: Sequence[torch.Tensor] | None = None
+        self._connected = False
         self._count = 0
 
     @contextmanager
@@ -72,14 +73,22 @@ class Selection:
             yield
 
     @contextmanager
-    def substituting(self, kept: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Run the recomputation: kept occurrences hand out ``kept`` (barriered copies)."""
-        self._count, self._substitutes = 0, kept
+    def substituting(
+        self, kept: Sequence[torch.Tensor], *, connected: bool = False
+    ) -> Iterator[None]:
+        """Run the recomputation: kept occurrences hand out ``kept`` (barriered copies).
+
+        The engines differentiate the forward's own graph, so a substitute is a new leaf.
+        With ``connected`` (a recomputation that is differentiated itself, as in a scanned
+        stack) a substitute passes its gradient on to the recomputed operation, whose unread
+        value XLA then drops.
+        """
+        self._count, self._substitutes, self._connected = 0, kept, connected
         try:
             with active(self), _Mode(self):
                 yield
         finally:
-            self._substitutes = None
+            self._substitutes, self._connected = None, False
 
     def take_kept(self, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The kept values, once the forward is done. A value the block modified in place
@@ -126,10 +135,11 @@ class Selection:
         if slot is None:
             return value
         start, count = slot
-        substitutes = [
-            s.detach().requires_grad_(t.requires_grad)
-            for s, t in zip(self._substitutes[start : start + count], tensors, strict=True)
-        ]
+        pairs = zip(self._substitutes[start : start + count], tensors, strict=True)
+        if self._connected:
+            substitutes = [_Substitute.apply(t, s) for s, t in pairs]
+        else:
+            substitutes = [s.detach().requires_grad_(t.requires_grad) for s, t in pairs]
         return flat.rebuild(substitutes)
 
     def _record(
@@ -151,6 +161,18 @@ class Selection:
             self._versions.append(tensor._version)
             self._sources.append(weakref.ref(tensor))
             self.decisions.append(decision)
+
+
+class _Substitute(torch.autograd.Function):
+    """``apply(recomputed, kept)``: the kept value, differentiated as the recomputed one."""
+
+    @staticmethod
+    def forward(ctx: Any, recomputed: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return kept.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def _is_candidate(function: str, tensors: Sequence[torch.Tensor], inputs: Sequence[object]) -> bool:

@@ -67,18 +67,24 @@ class CheckpointWrapper(nn.Module):
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inner = self.__dict__.get(_INSTANCE_FORWARD)
-        # A bound method unpickles by name, as this very method: the class's forward then.
-        if inner is None or getattr(inner, "__func__", None) is CheckpointWrapper.forward:
-            inner = super().forward
         return run_checkpointed(
             "xla_wrap.checkpoint_wrapper",
-            inner,
+            self.unchecked_forward,
             args,
             kwargs,
             owners=(self,),
             options=self.checkpoint_options,
         )
+
+    @property
+    def unchecked_forward(self) -> Any:
+        """The module's own forward, which this module's forward runs as a checkpoint (what a
+        scanned stack calls: it checkpoints the layer itself)."""
+        inner = self.__dict__.get(_INSTANCE_FORWARD)
+        # A bound method unpickles by name, as this very method: the class's forward then.
+        if inner is None or getattr(inner, "__func__", None) is CheckpointWrapper.forward:
+            inner = super().forward
+        return inner
 
     def __repr__(self) -> str:
         return f"CheckpointWrapper({super().__repr__()})"

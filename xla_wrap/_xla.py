@@ -32,6 +32,9 @@ KEEP_BARRIERS_FLAG = f"--xla_disable_hlo_passes={BARRIER_STRIPPING_PASS}"
 _STEP_SEED_MUL = 7012063
 _STEP_SEED_ADD = 1012031
 _SEED_MASK = (1 << 64) - 1
+# ... and each random op advances the running seed (XLAGraphExecutor::GetRngSeed).
+_DRAW_SEED_MUL = 214013
+_DRAW_SEED_ADD = 2531011
 
 
 def _loaded(name: str) -> ModuleType | None:
@@ -58,6 +61,14 @@ def tensor_id(tensor: torch.Tensor) -> int:
     torch_xla = _loaded("torch_xla")
     assert torch_xla is not None
     return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
+
+
+def ir_text(tensor: torch.Tensor) -> str:
+    """torch_xla's IR of an XLA tensor's pending value, as text (changes when it is written)."""
+    torch_xla = _loaded("torch_xla")
+    assert torch_xla is not None
+    text: str = torch_xla._XLAC._get_xla_tensors_text([tensor])
+    return text
 
 
 def is_device_data(tensor: torch.Tensor) -> bool:
@@ -144,6 +155,11 @@ def set_rng_state(device: torch.device, seed: int) -> None:
     xm = _loaded("torch_xla.core.xla_model")
     assert xm is not None
     xm.set_rng_state(seed, str(device))
+
+
+def advance_seed(seed: int) -> int:
+    """The running seed after one random op draws from ``seed`` (XLA's per-draw step)."""
+    return (_DRAW_SEED_ADD + seed * _DRAW_SEED_MUL) & _SEED_MASK
 
 
 def base_seed(device: torch.device) -> int:

@@ -15,7 +15,12 @@ from typing import Any
 from .._xla import KEEP_BARRIERS_FLAG
 from ._models import MODELS, SHARDED_DEVICES
 from ._report import compare, render_chart, render_table
-from ._variants import OPT_IN, TRANSFORMER_ONLY, VARIANTS
+from ._variants import DEPTH_VARIANTS, OPT_IN, TRANSFORMER_ONLY, VARIANTS
+
+_DEFAULT_VARIANTS = ",".join(v for v in VARIANTS if v not in OPT_IN)
+# The depth sweep's transformer: the mask a buffer of each block (torch_xla's scan_layers takes
+# no keyword arguments), Dropout off (it crashes with Dropout on torch_xla 2.9).
+DEPTH_SIZES = {"mask_buffer": 1, "dropout_pct": 0}
 
 # mask_buffer=1: every block keeps the causal mask as a buffer instead of taking it as an argument.
 _TRANSFORMER = {
@@ -55,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--variants",
-        default=",".join(v for v in VARIANTS if v not in OPT_IN),
+        default=None,
         help=f"comma-separated, among {', '.join(VARIANTS)} (default: all but {', '.join(OPT_IN)})",
     )
     parser.add_argument(
@@ -74,6 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="MODEL.KEY=N",
         help="override a size, e.g. conv.channels=128 or transformer.blocks=4 (repeatable)",
     )
+    parser.add_argument(
+        "--depth",
+        type=_depths,
+        help="a depth sweep instead, e.g. 12,24,48: the transformer at each number of blocks "
+        "(mask as a buffer, Dropout off), Python loops against scanned stacks "
+        f"(default variants: {', '.join(DEPTH_VARIANTS)})",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument(
         "--stock", action="store_true", help="keep XLA:CPU's barrier-stripping pass (no savings)"
@@ -87,6 +99,33 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
+
+
+def _depths(text: str) -> list[int]:
+    parts = text.split(",")
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive block counts such as 12,24,48, got {text!r}"
+        )
+    return [int(p) for p in parts]
+
+
+def _groups(
+    args: argparse.Namespace, models: list[str], variants: list[str], explicit: bool
+) -> list[tuple[str, str, dict[str, int], list[str]]]:
+    """What to run: (label, model, sizes, variants) per table group."""
+    sizes = _sizes(args, models)
+    if not args.depth:
+        return [(m, m, sizes[m], _variants_for(m, variants)) for m in models]
+    chosen = variants if explicit else list(DEPTH_VARIANTS)
+    groups = []
+    for depth in args.depth:
+        sized = dict(sizes["transformer"], blocks=depth)
+        for key, value in DEPTH_SIZES.items():
+            if f"transformer.{key}" not in " ".join(args.size):  # --size wins
+                sized[key] = value
+        groups.append((f"transformer, {depth} blocks", "transformer", sized, chosen))
+    return groups
 
 
 def _sizes(args: argparse.Namespace, models: list[str]) -> dict[str, dict[str, int]]:
@@ -115,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return _worker_main(args.worker)
     models = [m for m in args.models.split(",") if m]
-    variants = [v for v in args.variants.split(",") if v]
+    if args.depth:
+        models = ["transformer"]
+    explicit = args.variants is not None
+    variants = [v for v in (args.variants or _DEFAULT_VARIANTS).split(",") if v]
     unknown = [m for m in models if m not in DEFAULT_SIZES] + [
         v for v in variants if v not in VARIANTS
     ]
@@ -126,35 +168,34 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "none" not in variants:
         variants.insert(0, "none")  # the reference every ratio is taken against
-    sizes = _sizes(args, models)
+    groups = _groups(args, models, variants, explicit)
     flags = "" if args.stock else KEEP_BARRIERS_FLAG
     mode = "stock XLA:CPU, barriers stripped" if args.stock else f"barriers kept ({flags})"
     print(f"xla_wrap.bench on XLA:CPU, {mode}; {args.steps} timed steps per variant", flush=True)
     print("each variant compiles in a fresh process; step times come from one process per model")
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    variants_of = {m: _variants_for(m, variants) for m in models}
-    total = sum(len(v) + 1 for v in variants_of.values())
+    total = sum(len(g[3]) + 1 for g in groups)
     tasks = iter(range(1, total + 1))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="xla_wrap_bench_") as tmp_name:
         tmp = Path(tmp_name)
-        for model in models:
+        for index, (label, model, sized, group_variants) in enumerate(groups):
             model_runs: list[dict[str, Any]] = []
-            for variant in variants_of[model]:
-                grads = tmp / f"grads-{model}-{len(model_runs)}.pt"
-                job = {"task": "measure", "model": model, "variant": variant}
-                job.update(sizes=sizes[model], grads=str(grads))
-                print(f"[{next(tasks)}/{total}] {model} / {variant} ...", end=" ", flush=True)
-                run = {"model": model, "variant": variant, **_spawn(job, flags, tmp, args.timeout)}
+            for variant in group_variants:
+                grads = tmp / f"grads-{index}-{len(model_runs)}.pt"
+                job: dict[str, Any] = {"task": "measure", "model": model, "variant": variant}
+                job.update(sizes=sized, grads=str(grads))
+                print(f"[{next(tasks)}/{total}] {label} / {variant} ...", end=" ", flush=True)
+                run = {"model": label, "variant": variant, **_spawn(job, flags, tmp, args.timeout)}
                 if "error" not in run:
                     run["grads"] = str(grads)
                 model_runs.append(run)
             ran = [r["variant"] for r in model_runs if "error" not in r]
-            job = {"task": "time", "model": model, "variants": ran, "sizes": sizes[model]}
+            job = {"task": "time", "model": model, "variants": ran, "sizes": sized}
             job["steps"] = args.steps
             print(
-                f"[{next(tasks)}/{total}] {model} / step times of {len(ran)} variants, "
+                f"[{next(tasks)}/{total}] {label} / step times of {len(ran)} variants, "
                 "interleaved ...",
                 end=" ",
                 flush=True,
@@ -176,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     report = {
         "config": {
-            "sizes": sizes,
+            "sizes": {label: sized for label, _, sized, _ in groups},
             "steps": args.steps,
             "barriers_kept": not args.stock,
             "xla_flags": flags,

@@ -16,6 +16,8 @@ COLUMNS = (
     ("floor_ratio", "vs floor"),
     ("flops_ratio", "FLOPs vs none"),
     ("time_ratio", "step time vs none"),
+    ("compile_s", "compile s"),
+    ("trace_ms", "trace ms"),
     ("recompiles", "recompiles"),
     ("error", "error"),
 )
@@ -70,6 +72,10 @@ def _cell(run: dict[str, Any], key: str) -> str:
         return f"{value:.2f}x"
     if key.endswith("_mib"):
         return f"{value:.1f}"
+    if key == "compile_s":
+        return f"{value:.1f}"
+    if key == "trace_ms":
+        return f"{value:.0f}"
     return str(value)
 
 

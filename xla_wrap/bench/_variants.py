@@ -66,6 +66,29 @@ def _xla_wrap_dots(block: nn.Module) -> nn.Module:
     return xla_wrap.checkpoint_wrapper(block, policy="dots_saveable")
 
 
+class _TorchXlaScanned(xla_wrap.ScannedLayers):
+    """The blocks through torch_xla's ``scan_layers``, with min-cut rematerialization (what
+    its docs suggest for activation checkpointing)."""
+
+    def _run_stack(
+        self, layers: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        from functorch.compile import min_cut_rematerialization_partition
+        from torch_xla.experimental.scan_layers import scan_layers
+
+        if kwargs or len(args) != 1:
+            raise TypeError("torch_xla's scan_layers passes one input and no keyword arguments")
+        return scan_layers(layers, args[0], partition_fn=min_cut_rematerialization_partition)
+
+
+def _xla_wrap_scan(blocks: nn.ModuleList) -> nn.ModuleList:
+    return xla_wrap.ScannedLayers(blocks)
+
+
+def _torch_xla_scan(blocks: nn.ModuleList) -> nn.ModuleList:
+    return _TorchXlaScanned(blocks)
+
+
 VARIANTS: dict[str, Callable[[nn.Module], nn.Module] | None] = {
     "none": None,
     "torch.utils.checkpoint": _torch_utils,
@@ -77,8 +100,23 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module] | None] = {
     "xla_wrap dots_saveable": _xla_wrap_dots,
 }
 
+# Variants that replace the whole list of blocks: one scanned stack instead of a Python loop.
+STACK_VARIANTS: dict[str, Callable[[nn.ModuleList], nn.ModuleList]] = {
+    "torch_xla scan_layers": _torch_xla_scan,
+    "xla_wrap scan": _xla_wrap_scan,
+}
+VARIANTS.update(dict.fromkeys(STACK_VARIANTS))
+
 # Run only when asked for (--variants): the engine comparison behind the default engine
 # (docs/policies.md). The save policy runs on the transformer only: a conv block is nothing
 # but convolutions and ReLUs, so keeping the products keeps almost everything.
 OPT_IN = ("xla_wrap reentrant",)
-TRANSFORMER_ONLY = ("xla_wrap dots_saveable",)
+TRANSFORMER_ONLY = ("xla_wrap dots_saveable", *STACK_VARIANTS)
+# The depth sweep (--depth): loops against scans, Dropout off (torch_xla's scan crashes on it).
+DEPTH_VARIANTS = (
+    "none",
+    "torch_xla.utils.checkpoint",
+    "xla_wrap",
+    "torch_xla scan_layers",
+    "xla_wrap scan",
+)

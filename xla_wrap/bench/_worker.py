@@ -9,6 +9,7 @@ steps round by round, so that the step-time ratios do not move with the machine'
 from __future__ import annotations
 
 import statistics
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -19,10 +20,11 @@ from torch import nn
 
 from ._floor import estimated_floor
 from ._models import Workload, build
-from ._variants import VARIANTS
+from ._variants import STACK_VARIANTS, VARIANTS
 
 SEED = 1234
 WARM_UP_STEPS = 1  # the first step compiles; timing starts after it
+TRACED_STEPS = 3  # steps after the first whose Python tracing time is measured
 
 
 def measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) -> dict:
@@ -95,6 +97,12 @@ def _execute_counts(met: Any) -> dict[str, int]:
     return counts
 
 
+def _compile_seconds(met: Any) -> float:
+    """All XLA compile time of this process so far (torch_xla's CompileTime metric)."""
+    data = met.metric_data("CompileTime")
+    return float(data[1]) / 1e9 if data else 0.0
+
+
 def _error(error: Exception) -> dict:
     message = f"{type(error).__name__}: {error}".splitlines()[0]
     return {"error": message[:300], "traceback": traceback.format_exc()[-2000:]}
@@ -107,6 +115,8 @@ def _prepare(model_name: str, variant: str, sizes: dict[str, int]) -> Callable[[
 
     workload = build(model_name, sizes)
     wrap = VARIANTS[variant]
+    if variant in STACK_VARIANTS:
+        workload.model.blocks = STACK_VARIANTS[variant](workload.blocks)
     if workload.devices > 1:
         model, args, kwargs = _sharded(workload, wrap)
     else:
@@ -120,15 +130,20 @@ def _prepare(model_name: str, variant: str, sizes: dict[str, int]) -> Callable[[
                 blocks[index] = wrap(blocks[index])
     torch_xla.sync()
 
+    traced: list[float] = []
+
     def step() -> torch.Tensor:
+        started = time.perf_counter()
         for p in model.parameters():
             p.grad = None
         loss = model(*args, **kwargs)
         loss.backward()
+        traced.append(time.perf_counter() - started)  # Python tracing: nothing ran yet
         torch_xla.sync()
         return loss
 
     step.model = model  # type: ignore[attr-defined]
+    step.traced = traced  # type: ignore[attr-defined]
     return step
 
 
@@ -178,11 +193,14 @@ def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) 
     step = _prepare(model_name, variant, sizes)
     xm.set_rng_state(SEED, str(torch_xla.device()))
     losses: list[torch.Tensor] = []
+    compiled_before = _compile_seconds(met)
     program = introspect.compiled_memory(lambda: losses.append(step()))
+    compile_s = _compile_seconds(met) - compiled_before
     torch.save([p.grad.cpu() for p in step.model.parameters()], grads)  # type: ignore[attr-defined]
     compiles = met.metric_data("CompileTime")[0]
-    for _ in range(2):  # later steps must reuse the program the first one compiled
+    for _ in range(TRACED_STEPS):  # later steps must reuse the program the first one compiled
         step()
+    traced = step.traced[-TRACED_STEPS:]  # type: ignore[attr-defined]
     result.update(
         loss=float(losses[0].item()),
         peak_bytes=program.total_bytes,
@@ -192,5 +210,7 @@ def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) 
         flops=program.flops,
         barriers=program.count("opt-barrier"),
         recompiles=met.metric_data("CompileTime")[0] - compiles,
+        compile_s=compile_s,
+        trace_ms=statistics.median(traced) * 1e3,
     )
     return result

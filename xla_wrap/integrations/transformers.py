@@ -33,6 +33,7 @@ from .. import _xla
 from .._checkpoint import _unpartial, checkpoint, owning_modules
 from .._errors import CheckpointTypeError, CheckpointValueError, describe
 from .._options import options_from
+from .._scanned import ScannedLayers, apply_scan, unscan
 from .._tree import Flat
 
 __all__ = [
@@ -48,7 +49,7 @@ _SAVED_USE_CACHE = "_xla_wrap_saved_use_cache"
 
 
 def gradient_checkpointing_enable(
-    model: nn.Module, *, every_n_layers: int = 1, **checkpoint_options: Any
+    model: nn.Module, *, every_n_layers: int = 1, scan: bool = False, **checkpoint_options: Any
 ) -> None:
     """Checkpoint the layers of a transformers ``PreTrainedModel`` with xla_wrap.
 
@@ -61,6 +62,11 @@ def gradient_checkpointing_enable(
     Args:
         model: A transformers ``PreTrainedModel`` whose class supports gradient checkpointing.
         every_n_layers: Checkpoint one layer in this many (1: all of them).
+        scan: Run each list of layers as one scanned stack (:class:`xla_wrap.ScannedLayers`):
+            one compiled layer body on XLA instead of one per layer. Only models whose forward
+            passes each layer's result to the next and nothing else qualify (docs/scan.md
+            lists them); every layer is checkpointed, and only ``policy`` and
+            ``offload_to_cpu`` apply.
         **checkpoint_options: Options of :func:`xla_wrap.checkpoint_wrapper`
             (``preserve_rng_state``, ``use_reentrant``, ``policy``, ``offload_to_cpu``).
 
@@ -82,11 +88,14 @@ def gradient_checkpointing_enable(
             "Pass 1 to checkpoint every layer, 2 for every other one."
         )
     options = options_from(api, checkpoint_options)
-    function = functools.partial(checkpoint, **options.as_keywords())
     pretrained: Any = model  # a PreTrainedModel, checked above
-    pretrained._set_gradient_checkpointing(
-        enable=True, gradient_checkpointing_func=function, every_n_layers=every_n_layers
-    )
+    if scan:
+        _scan_layers(api, pretrained, every_n_layers, checkpoint_options)
+    else:
+        function = functools.partial(checkpoint, **options.as_keywords())
+        pretrained._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=function, every_n_layers=every_n_layers
+        )
     config = pretrained.config
     if hasattr(config, "use_cache"):
         if not hasattr(pretrained, _SAVED_USE_CACHE):
@@ -106,9 +115,26 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
     _check_model("xla_wrap.integrations.transformers.gradient_checkpointing_disable", model)
     pretrained: Any = model  # a PreTrainedModel, checked above
     pretrained._set_gradient_checkpointing(enable=False)
+    for module in pretrained.modules():
+        if isinstance(module, ScannedLayers):
+            unscan(module)
     if hasattr(pretrained, _SAVED_USE_CACHE):
         pretrained.config.use_cache = getattr(pretrained, _SAVED_USE_CACHE)
         delattr(pretrained, _SAVED_USE_CACHE)
+
+
+def _scan_layers(api: str, model: Any, every_n_layers: int, options: dict[str, Any]) -> None:
+    """Scan every list of transformers' checkpointable layers in ``model``."""
+    other = sorted(set(options) - {"policy", "offload_to_cpu"})
+    if every_n_layers != 1 or other:
+        raise CheckpointValueError(
+            f"{api}: scan=True checkpoints every layer of a scanned stack with `policy` and "
+            f"`offload_to_cpu` only; got every_n_layers={every_n_layers}"
+            + (f" and {', '.join(other)}" if other else "")
+            + ". Drop them, or checkpoint without scan=True."
+        )
+    layer_class = importlib.import_module("transformers.modeling_layers").GradientCheckpointingLayer
+    apply_scan(model, lambda layer: isinstance(layer, layer_class), **options)
 
 
 # --- transformers' own switch ---------------------------------------------------------------

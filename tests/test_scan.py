@@ -1,0 +1,435 @@
+"""Scanned layer stacks (xla_wrap.scan_layers, ScannedLayers, apply_scan): the loop's result
+and gradients for every policy, Dropout masks recomputed exactly, what each policy saves and
+recomputes as XLA compiles it, the way in for models that loop over a ModuleList, errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import xla_wrap
+from xla_wrap import checkpoint_policies as cp
+from xla_wrap import introspect
+
+WIDTH = 16
+DEPTH = 4
+POLICIES = {
+    "nothing": None,
+    "dots": "dots_saveable",
+    "names": cp.save_only_these_names("hidden"),
+}
+
+
+class Layer(nn.Module):
+    """Reads a shared argument (needing its own gradient), a keyword and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.register_buffer("offset", torch.randn(WIDTH), persistent=False)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, *, shift: float) -> torch.Tensor:
+        hidden = xla_wrap.checkpoint_name(torch.tanh(self.up(self.norm(x))), "hidden")
+        return x + self.down(hidden) * scale + self.offset * shift
+
+
+def _loop(layers: nn.ModuleList, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, *args, **kwargs)
+    return x
+
+
+def _run(
+    layers: nn.ModuleList, device: torch.device, scanned: bool, policy: Any = None
+) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    x = torch.randn(3, WIDTH).to(device).requires_grad_()
+    scale = torch.tensor(0.7).to(device).requires_grad_()
+    layers.zero_grad(set_to_none=True)
+    if scanned:
+        y = xla_wrap.scan_layers(layers, x, scale, shift=0.5, policy=policy)
+    else:
+        y = _loop(layers, x, scale, shift=0.5)
+    y.pow(2).mean().backward()
+    out = {"y": y.detach(), "x": x.grad, "scale": scale.grad}
+    out.update({name: p.grad for name, p in layers.named_parameters()})
+    return {k: v.cpu() for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def layers() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(Layer() for _ in range(DEPTH))
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
+def test_loss_and_gradients_equal_the_eager_loop_for_each_policy(
+    layers: nn.ModuleList, xla_device: torch.device, policy: str
+) -> None:
+    expected = _run(layers, torch.device("cpu"), scanned=False)
+    got = _run(copy.deepcopy(layers).to(xla_device), xla_device, True, POLICIES[policy])
+    assert got.keys() == expected.keys()
+    for key in expected:
+        scale = float(expected[key].abs().max())
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-5 * scale, msg=key)
+
+
+def test_on_eager_cpu_it_is_the_checkpointed_loop_bitwise_with_dropout() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.3)) for _ in range(3)
+    )
+    runs = []
+    for scanned in (False, True):
+        torch.manual_seed(5)
+        x = torch.randn(4, WIDTH, requires_grad=True)
+        layers.zero_grad(set_to_none=True)
+        y = xla_wrap.scan_layers(layers, x) if scanned else _loop(layers, x)
+        y.sum().backward()
+        runs.append([y, x.grad, *(p.grad for p in layers.parameters())])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+class _Masked(nn.Module):
+    """Adds Dropout(0.5) of a constant 2**i: the sum of all layers' outputs spells every
+    layer's forward mask in binary, and the gradient of ``w`` is the mask backward used."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4, 32), 2.0**i))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.w)
+
+
+@pytest.mark.xla
+def test_dropout_recomputes_the_forward_mask_and_each_layer_and_step_draws_its_own(
+    xla_device: torch.device,
+) -> None:
+    import torch_xla
+
+    n = 6
+    layers = nn.ModuleList(_Masked(i) for i in range(n)).to(xla_device)
+    steps = []
+    for _ in range(2):
+        layers.zero_grad(set_to_none=True)
+        y = xla_wrap.scan_layers(layers, torch.zeros(4, 32, device=xla_device))
+        y.sum().backward()
+        torch_xla.sync()
+        code = (y.cpu() / 2).round().long()  # kept values are scaled by 1 / (1 - p) = 2
+        forward = torch.stack([(code >> i) & 1 for i in range(n)])
+        backward = torch.stack([(layer.w.grad.cpu() / 2).round().long() for layer in layers])
+        assert torch.equal(forward, backward)
+        steps.append(forward)
+        assert 0.3 < forward.float().mean() < 0.7
+    for i in range(1, n):
+        assert not torch.equal(steps[0][i], steps[0][0])  # layers differ
+    assert not torch.equal(steps[0], steps[1])  # steps differ
+
+
+@pytest.mark.xla
+def test_a_model_with_dropout_trains(xla_device: torch.device) -> None:
+    import torch_xla
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(0.1)) for _ in range(3)
+    ).to(xla_device)
+    x = torch.randn(32, WIDTH).to(xla_device)
+    target = torch.randn(32, WIDTH).to(xla_device) * 0.1
+    optimizer = torch.optim.Adam(layers.parameters(), lr=0.02)
+    losses = []
+    for _ in range(12):
+        optimizer.zero_grad()
+        loss = (xla_wrap.scan_layers(layers, x) - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        torch_xla.sync()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.xla
+def test_policies_decide_what_is_stacked_and_what_is_recomputed(xla_device: torch.device) -> None:
+    """Read from the compiled programs: nothing_saveable recomputes the matmuls whose outputs
+    backward reads, dots_saveable none; nothing_saveable keeps the least."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(6)
+    ).to(xla_device)
+    x = torch.randn(512, 64).to(xla_device).requires_grad_()  # activations outweigh weights
+
+    def compiled(run: Any) -> introspect.CompiledProgram:
+        def step() -> None:
+            import torch_xla
+
+            layers.zero_grad(set_to_none=True)
+            run().pow(2).sum().backward()  # not a plain sum: XLA would fold its ones away
+            torch_xla.sync()
+
+        return introspect.compiled_memory(step)
+
+    plain = compiled(lambda: _loop(layers, x))
+    nothing = compiled(lambda: xla_wrap.scan_layers(layers, x))
+    dots = compiled(lambda: xla_wrap.scan_layers(layers, x, policy="dots_saveable"))
+    # A layer's matmuls, F each: 2 forward, 4 backward. Recomputing costs the first one only
+    # (backward does not read the second's output): 7F per layer instead of 6F.
+    assert nothing.flops == pytest.approx(plain.flops * 7 / 6, rel=0.01)
+    assert dots.flops == pytest.approx(plain.flops, rel=0.01)
+    assert nothing.total_bytes < dots.total_bytes < plain.total_bytes
+
+
+@pytest.mark.xla
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    structure=st.sampled_from(["tuple", "dict", "nested"]),
+    with_int=st.booleans(),
+)
+def test_any_carry_structure_round_trips(
+    xla_device: torch.device, structure: str, with_int: bool
+) -> None:
+    """Tuples, dicts and nestings of tensors (an integer tensor among them) as the carry."""
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, carry: Any) -> Any:
+            if structure == "tuple":
+                a, b, *rest = carry
+                return (b, self.lin(a) + b, *rest)
+            if structure == "dict":
+                return {
+                    "a": carry["b"],
+                    "b": self.lin(carry["a"]) + carry["b"],
+                    **{k: v for k, v in carry.items() if k == "n"},
+                }
+            (a, b), rest = carry
+            return (b, self.lin(a)), rest
+
+        @staticmethod
+        def make(a: torch.Tensor, b: torch.Tensor, n: torch.Tensor | None) -> Any:
+            if structure == "tuple":
+                return (a, b, n) if n is not None else (a, b)
+            if structure == "dict":
+                return {"a": a, "b": b, **({"n": n} if n is not None else {})}
+            return (a, b), ([n] if n is not None else [])
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Pair() for _ in range(3))
+    n = torch.arange(3) if with_int else None
+    results = []
+    for device, scanned in ((torch.device("cpu"), False), (xla_device, True)):
+        stack = copy.deepcopy(layers).to(device)
+        a = torch.ones(2, WIDTH, device=device, requires_grad=True)
+        b = torch.zeros(2, WIDTH, device=device)
+        carry = Pair.make(a, b, n.to(device) if n is not None else None)
+        out = xla_wrap.scan_layers(stack, carry) if scanned else _loop(stack, carry)
+        leaves = torch.utils._pytree.tree_leaves(out)
+        sum(t.float().sum() for t in leaves).backward()
+        results.append((torch.utils._pytree.tree_map(lambda t: t.cpu(), out), a.grad.cpu()))
+    (expected, expected_grad), (got, got_grad) = results
+    assert torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(expected)
+    for e, g in zip(
+        torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got), strict=True
+    ):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+# --- the way in for existing models ---------------------------------------------------------
+
+
+class LoopModel(nn.Module):
+    def __init__(self, depth: int = DEPTH) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:DEPTH]:  # sliced, as transformers models do
+            x = layer(x, scale, shift=0.25)
+        return self.head(x).mean()
+
+
+@pytest.mark.xla
+def test_apply_scan_keeps_names_and_state_and_trains_as_the_loop(xla_device: torch.device) -> None:
+    torch.manual_seed(0)
+    model = LoopModel()
+    twin = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    xla_wrap.apply_scan(twin, policy="dots_saveable")
+    assert isinstance(twin.layers, xla_wrap.ScannedLayers)
+    assert isinstance(twin.layers, nn.ModuleList)
+    assert list(twin.state_dict()) == keys
+    assert twin.layers[0] is twin.layers._modules["0"]
+    grads = []
+    for m, device in ((model, torch.device("cpu")), (twin.to(xla_device), xla_device)):
+        x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(2)).to(device)
+        scale = torch.tensor(0.5).to(device)
+        m(x, scale).backward()
+        grads.append({n: p.grad.cpu() for n, p in m.named_parameters()})
+    for name, expected in grads[0].items():
+        torch.testing.assert_close(grads[1][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_loop_that_does_more_than_pass_the_result_on_is_refused() -> None:
+    class Skipping(LoopModel):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x * 2, scale, shift=0.25)
+            return x.sum()
+
+    model = xla_wrap.apply_scan(Skipping())
+    with pytest.raises(
+        xla_wrap.CheckpointError, match=r"ScannedLayers: layer 1 .*not the previous"
+    ):
+        model(torch.randn(2, WIDTH), torch.tensor(1.0))
+
+
+def test_scanned_layers_built_at_construction_run_on_eager_cpu_as_the_loop() -> None:
+    torch.manual_seed(0)
+    plain = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+    scanned = xla_wrap.ScannedLayers(copy.deepcopy(plain), policy="dots_saveable")
+    x = torch.randn(2, WIDTH)
+    assert torch.equal(_loop(scanned, x), _loop(plain, x))
+    assert repr(scanned).startswith("ScannedLayers(\n  (0): Linear(")
+    assert all(isinstance(stand_in, nn.Linear) for stand_in in scanned)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layers", "error", "message"),
+    [
+        ([], xla_wrap.CheckpointValueError, "at least one layer"),
+        ([nn.Linear(2, 2), "relu"], xla_wrap.CheckpointTypeError, "nn.Module layers, got str"),
+        (nn.Linear(2, 2), xla_wrap.CheckpointTypeError, "a sequence of layers"),
+        (
+            [nn.Linear(2, 2), nn.Linear(2, 3)],
+            xla_wrap.CheckpointValueError,
+            r"layer 1 differing from layer 0 in parameters",
+        ),
+        ([nn.Linear(2, 2), nn.ReLU()], xla_wrap.CheckpointValueError, "layer 1 differing"),
+    ],
+    ids=["empty", "not-a-module", "one-module", "other-shapes", "other-class"],
+)
+def test_bad_layers_get_an_error_naming_the_api(layers: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=message) as info:
+        xla_wrap.scan_layers(layers, torch.randn(2, 2))
+    assert "xla_wrap.scan_layers" in str(info.value)
+
+
+def test_hooks_and_wrong_outputs_are_refused() -> None:
+    layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    handle = layers[1].register_forward_hook(lambda *a: None)
+    with pytest.raises(xla_wrap.CheckpointValueError, match="layer 1 has module hooks"):
+        xla_wrap.scan_layers(layers, torch.randn(2, 2))
+    handle.remove()
+    with pytest.raises(xla_wrap.CheckpointTypeError, match="carry as the first positional"):
+        xla_wrap.scan_layers(layers)
+
+
+@pytest.mark.xla
+def test_a_layer_that_returns_another_structure_or_writes_a_buffer_is_refused(
+    xla_device: torch.device,
+) -> None:
+    class Widening(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    with pytest.raises(xla_wrap.CheckpointTypeError, match="return its carry's structure"):
+        xla_wrap.scan_layers(
+            nn.ModuleList([Widening(), Widening()]).to(xla_device),
+            torch.randn(3, 2, device=xla_device),
+        )
+    norms = nn.ModuleList(nn.BatchNorm1d(2) for _ in range(2)).to(xla_device)
+    with pytest.raises(xla_wrap.CheckpointError, match="modified 'running_mean', 'running_var'"):
+        xla_wrap.scan_layers(norms, torch.randn(3, 2, device=xla_device))
+
+
+@pytest.mark.xla
+def test_xla_fsdp_v1_units_are_refused(xla_device: torch.device) -> None:
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    layers = nn.ModuleList(FSDP(nn.Linear(4, 4).to(xla_device)) for _ in range(2))
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"XLA FSDP \(v1\) unit.*FSDPv2"):
+        xla_wrap.scan_layers(layers, torch.randn(2, 4, device=xla_device))
+
+
+# --- SPMD FSDPv2 ------------------------------------------------------------------------------
+
+FSDPV2_WORKER = Path(__file__).with_name("_scan_fsdpv2_worker.py")
+SCANNED_UNDER_FSDPV2 = ["fsdpv2 units, scanned", "fsdpv2 root, scanned"]
+
+
+@pytest.fixture(scope="module")
+def spmd_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("torch_xla")
+    out = tmp_path_factory.mktemp("scan_spmd") / "results.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
+    proc = subprocess.run(
+        [sys.executable, str(FSDPV2_WORKER), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.exists(), f"the worker wrote nothing (rc {proc.returncode}):\n{proc.stderr}"
+    results: dict[str, Any] = json.loads(out.read_text())
+    for name, result in results.items():
+        assert "error" not in result, f"{name}: {result['error']}"
+    return results
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("name", SCANNED_UNDER_FSDPV2)
+def test_under_fsdpv2_a_scanned_stack_gives_fsdpv2s_loss_and_gradients(
+    spmd_results: dict[str, Any], name: str
+) -> None:
+    plain, scanned = spmd_results["fsdpv2"], spmd_results[name]
+    assert scanned["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert scanned["grads"].keys() == plain["grads"].keys()
+    for param, grad in plain["grads"].items():
+        expected = torch.tensor(grad)
+        torch.testing.assert_close(
+            torch.tensor(scanned["grads"][param]),
+            expected,
+            rtol=1e-5,
+            atol=1e-5 * float(expected.abs().max()),
+            msg=param,
+        )
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("name", SCANNED_UNDER_FSDPV2)
+def test_under_fsdpv2_the_scanned_layers_parameters_stay_sharded(
+    spmd_results: dict[str, Any], name: str
+) -> None:
+    sharded = spmd_results[name]["sharded"]
+    weights = [p for p in sharded if p.startswith("blocks.") and p.endswith("weight")]
+    assert weights and all(sharded[p] for p in weights)

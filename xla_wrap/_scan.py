@@ -1,0 +1,648 @@
+"""Checkpointed layer stacks compiled as one layer body: :func:`scan_layers`.
+
+A Python loop over checkpointed layers traces and compiles every layer twice (forward and
+recomputation), so compile time grows with depth. torch_xla's ``scan`` lowers a function into
+an XLA While loop, compiled once whatever the trip count. Its autograd layer traces the body
+with AOTAutograd, which leaves no room for save policies, offload, keyword arguments or
+Dropout (on torch_xla 2.9 a mask residual crashes the lowering), and re-traces every step.
+
+Here torch_xla's While lowering (``_scan_impl_pytree``) runs twice under one autograd
+Function, with bodies written by hand:
+
+* forward: each layer runs on its slice of the stacked parameters and buffers; the scan stacks
+  each layer's input carry and the values the save policy keeps;
+* backward, in reverse: each layer is recomputed from its saved carry (kept values substituted
+  in, gradients still flowing through the recomputed operations) and differentiated with
+  ``torch.autograd.grad``; the scan stacks the parameter gradients.
+
+The two loops are different While instructions, so XLA cannot merge the recomputation back
+into the forward: no optimization barrier is needed. Arguments other than the carry (masks,
+rotary tables, positions) ride along in the loop state unchanged instead of being copied per
+layer; their gradients, if they need any, accumulate there in backward.
+
+Random numbers: torch_xla gives each iteration its own seed, drawn after tracing the body from
+the running seed. Both bodies start from the same seed, chosen per call from the device's
+stream, and draw the same numbers in the same order, so the backward loop gets the forward's
+per-layer seeds and Dropout recomputes exactly, while each layer and each step draws its own
+masks. The stream differs from the unscanned loop's (docs/scan.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from . import _autocast, _offload, _rng, _selective, _xla
+from . import checkpoint_policies as cp
+from ._checkpoint import run_checkpointed
+from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
+from ._options import CheckpointOptions, make_options
+from ._recompute import raise_not_deterministic
+from ._state import recomputing
+from ._tree import Flat, TensorMeta
+from ._wrapper import CheckpointWrapper
+
+_API = "xla_wrap.scan_layers"
+
+
+def scan_layers(
+    layers: Sequence[nn.Module],
+    *args: Any,
+    policy: cp.SavePolicy | str | None = None,
+    offload_to_cpu: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Run a stack of identically built layers as ``for layer in layers: x = layer(x, ...)``,
+    checkpointed, compiling one layer body on XLA instead of one per layer.
+
+    The first positional argument is the *carry*: each layer receives it and must return a
+    value of the same structure (a tensor, or a tuple or dict of tensors, of the same shapes
+    and dtypes), which the next layer receives. The other arguments reach every layer
+    unchanged. On XLA the stack runs as two XLA While loops, forward and backward, each
+    compiled once: compile time stays flat in depth (docs/scan.md has the measurements).
+    Elsewhere (eager CPU or CUDA) it is that loop, each layer checkpointed as by
+    :func:`xla_wrap.checkpoint`.
+
+    Args:
+        layers: The layers, all of one class and with parameters and buffers of the same
+            names, shapes and dtypes (an ``nn.ModuleList`` of blocks built alike).
+        *args: The carry, then positional arguments every layer receives.
+        policy: What each layer keeps for backward besides its input carry
+            (:mod:`xla_wrap.checkpoint_policies`, by function or name). ``None`` or
+            ``"nothing_saveable"`` keeps only the carries; ``"dots_saveable"`` also keeps
+            matrix products; ``save_only_these_names(...)`` keeps values tagged with
+            :func:`xla_wrap.checkpoint_name`.
+        offload_to_cpu: Keep the saved carries in host memory until backward (on backends
+            that can place buffers there; on XLA:CPU a warning says they stay on the device).
+        **kwargs: Keyword arguments every layer receives.
+
+    Returns:
+        The last layer's output.
+
+    Raises:
+        CheckpointTypeError: If ``layers`` is not a non-empty sequence of modules, or a layer
+            returns something other than its carry's structure.
+        CheckpointValueError: If the layers differ in structure, carry hooks, or are XLA FSDP
+            units (v1), which cannot run inside a loop body.
+        CheckpointError: If a layer modifies a buffer or an argument in place, or runs
+            differently when recomputed.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> y = xla_wrap.scan_layers(layers, torch.randn(2, 8), policy="dots_saveable")
+        >>> y.sum().backward()
+    """
+    stack = _LayerStack.of(layers)
+    options = make_options(_API, policy=policy, offload_to_cpu=offload_to_cpu)
+    if stack.wrapped_options is not None and policy is None and not offload_to_cpu:
+        options = stack.wrapped_options
+    if not args:
+        raise CheckpointTypeError(
+            f"{_API}: expected the carry as the first positional argument after the layers, "
+            "got none. Call it as scan_layers(layers, x, ...), as the loop calls layer(x, ...)."
+        )
+    carry = Flat.of(args[0])
+    constants = Flat.of((args[1:], kwargs))
+    if not carry.tensors:
+        raise CheckpointTypeError(
+            f"{_API}: expected a tensor (or a structure of tensors) as the carry, got "
+            f"{describe(args[0])}. The first positional argument is what each layer passes on."
+        )
+    params = [p for layer in layers for p in layer.parameters()]
+    if not any(_xla.is_xla_tensor(t) for t in (*carry.tensors, *params)):
+        return _loop(stack, args, kwargs, options)
+    return _scan(stack, carry, constants, options)
+
+
+@dataclass(frozen=True)
+class _LayerStack:
+    """The layers, checked to be alike: the first one runs as the template of all."""
+
+    layers: tuple[nn.Module, ...]
+    param_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]  # stacked: the layers' own buffers
+    shared_buffers: dict[str, torch.Tensor]  # one tensor all layers hold: passed once
+    wrapped_options: CheckpointOptions | None  # the layers were checkpoint-wrapped alike
+
+    @classmethod
+    def of(cls, layers: Sequence[nn.Module]) -> _LayerStack:
+        if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            raise CheckpointTypeError(
+                f"{_API}: expected a sequence of layers (an nn.ModuleList), got one module "
+                f"{type(layers).__qualname__}. Pass the list its forward loops over."
+            )
+        try:
+            items = tuple(layers)
+        except TypeError:
+            raise CheckpointTypeError(
+                f"{_API}: expected a sequence of layers (an nn.ModuleList), got {describe(layers)}."
+            ) from None
+        if not items:
+            raise CheckpointValueError(
+                f"{_API}: expected at least one layer, got an empty sequence. With no layers "
+                "there is nothing to scan: call the code after the loop directly."
+            )
+        for i, layer in enumerate(items):
+            if not isinstance(layer, nn.Module):
+                raise CheckpointTypeError(
+                    f"{_API}: expected nn.Module layers, got {describe(layer)} at position "
+                    f"{i}. Pass modules; wrap a function as a module to scan it."
+                )
+        first = items[0]
+        for i, layer in enumerate(items):
+            _check_runnable(i, layer)
+            if i:
+                _check_alike(first, i, layer)
+        param_names = tuple(name for name, _ in first.named_parameters())
+        shared: dict[str, torch.Tensor] = {}
+        stacked: list[str] = []
+        for name, buffer in first.named_buffers():
+            if all(layer.get_buffer(name) is buffer for layer in items):
+                shared[name] = buffer
+            else:
+                stacked.append(name)
+        options = {
+            layer.checkpoint_options if isinstance(layer, CheckpointWrapper) else None
+            for layer in items
+        }
+        return cls(
+            layers=items,
+            param_names=param_names,
+            buffer_names=tuple(stacked),
+            shared_buffers=shared,
+            wrapped_options=options.pop() if len(options) == 1 else None,
+        )
+
+    @property
+    def template(self) -> nn.Module:
+        return self.layers[0]
+
+    def stacked(self) -> list[torch.Tensor]:
+        """Per parameter, then per stacked buffer: the layers' tensors stacked on a new first
+        dimension (the loop slices one layer's out of each per iteration)."""
+        return [
+            torch.stack([layer.get_parameter(name) for layer in self.layers])
+            for name in self.param_names
+        ] + [
+            torch.stack([layer.get_buffer(name) for layer in self.layers])
+            for name in self.buffer_names
+        ]
+
+    def call(
+        self,
+        carry: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: Sequence[torch.Tensor],
+    ) -> Any:
+        """Run the template layer with one layer's parameters and buffers (``tensors``, in
+        the order of :meth:`stacked`)."""
+        names = self.param_names + self.buffer_names
+        mapping = dict(zip(names, tensors, strict=True))
+        mapping.update(self.shared_buffers)
+        template = self.template
+        forward = (
+            template.unchecked_forward
+            if isinstance(template, CheckpointWrapper)
+            else template.forward
+        )
+        with _reparametrize_module(template, mapping):
+            return forward(carry, *args, **kwargs)
+
+
+def _check_runnable(index: int, layer: nn.Module) -> None:
+    """Refuse what cannot run as one traced body for every layer."""
+    fsdp_v1 = _xla_fsdp_v1_class()
+    for name, module in layer.named_modules():
+        where = f"layer {index}" + (f" (its submodule {name!r})" if name else "")
+        if fsdp_v1 is not None and isinstance(module, fsdp_v1):
+            raise CheckpointValueError(
+                f"{_API}: {where} is an XLA FSDP (v1) unit, whose forward gathers and frees "
+                "its parameters with per-module state that a loop body cannot hold. Scan the "
+                "plain layers and shard them with SPMD FSDPv2 (SpmdFullyShardedDataParallel "
+                "around the whole model, docs/scan.md), or keep the Python loop."
+            )
+        hooks = [
+            kind
+            for kind in (
+                "_forward_pre_hooks",
+                "_forward_hooks",
+                "_backward_hooks",
+                "_backward_pre_hooks",
+            )
+            if any(not _harmless(hook) for hook in getattr(module, kind, {}).values())
+        ]
+        if hooks:
+            raise CheckpointValueError(
+                f"{_API}: {where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); "
+                "a scanned stack runs one traced body for all layers, so per-layer hooks "
+                "cannot run. Remove them (or request no per-layer outputs, such as "
+                "output_hidden_states), or keep the Python loop."
+            )
+
+
+def _harmless(hook: Any) -> bool:
+    """A hook a loop body may leave out: FSDPv2's gradient barrier (it keeps XLA from fusing
+    one unit's backward with the next; each iteration of the loop is apart anyway)."""
+    name = getattr(hook, "__qualname__", "")
+    return bool(name.endswith("apply_backward_optimization_barrier.<locals>.optimization_barrier"))
+
+
+def _check_alike(first: nn.Module, index: int, layer: nn.Module) -> None:
+    def base(module: nn.Module) -> type:
+        return module._checkpoint_base if isinstance(module, CheckpointWrapper) else type(module)
+
+    def signature(module: nn.Module) -> tuple[tuple[object, ...], ...]:
+        return (
+            tuple(
+                (n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()
+            ),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
+            tuple((n, type(m).__qualname__) for n, m in module.named_modules()),
+            tuple((n, *_settings(m)) for n, m in module.named_modules()),
+        )
+
+    if base(layer) is not base(first) or signature(layer) != signature(first):
+        ours, theirs = signature(first), signature(layer)
+        parts = ("parameters", "buffers", "submodules", "settings (plain attributes)")
+        difference = next(
+            (
+                f"{part}: {_first_difference(a, b)}"
+                for part, a, b in zip(parts, ours, theirs, strict=True)
+                if a != b
+            ),
+            f"class {type(layer).__qualname__} vs {type(first).__qualname__}",
+        )
+        raise CheckpointValueError(
+            f"{_API}: expected layers of one structure, got layer {index} differing from "
+            f"layer 0 in {difference}. Scan a run of identically built layers; call the "
+            "others in Python before or after."
+        )
+
+
+# Plain attributes that differ per layer by construction and only index a cache (None while
+# training): transformers' attention modules keep their position in the stack.
+_LAYER_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    """A module's plain settings (numbers, strings, flags): the template's are what every
+    layer runs with, so layers must agree on them (a sliding window on some layers only)."""
+    return tuple(
+        (k, v)
+        for k, v in sorted(vars(module).items())
+        if not k.startswith("_")
+        and k not in _LAYER_INDEX_ATTRIBUTES
+        and k != "training"
+        and isinstance(v, (bool, int, float, str, type(None), tuple))
+    )
+
+
+def _first_difference(ours: tuple[object, ...], theirs: tuple[object, ...]) -> str:
+    for a, b in zip(ours, theirs, strict=False):
+        if a != b:
+            return f"{b} where layer 0 has {a}"
+    return f"{len(theirs)} entries where layer 0 has {len(ours)}"
+
+
+def _xla_fsdp_v1_class() -> type | None:
+    if _xla._loaded("torch_xla") is None:
+        return None
+    try:
+        return _xla.xla_fsdp_class()
+    except ImportError:
+        return None
+
+
+def _loop(
+    stack: _LayerStack, args: tuple[Any, ...], kwargs: dict[str, Any], options: CheckpointOptions
+) -> Any:
+    """Off XLA: the loop itself, each layer checkpointed."""
+    carry, rest = args[0], args[1:]
+    for layer in stack.layers:
+        forward = layer.unchecked_forward if isinstance(layer, CheckpointWrapper) else layer
+        carry = run_checkpointed(
+            _API, forward, (carry, *rest), kwargs, owners=(layer,), options=options
+        )
+    return carry
+
+
+# --- on XLA: two While loops under one autograd Function ---------------------------------
+
+
+@dataclass
+class _Scan:
+    """One scanned call: the layers, the carry's and the constants' structure, and what the
+    forward loop decided (kept values, seed) for the backward loop."""
+
+    stack: _LayerStack
+    carry: Flat  # structure of the carry; its tensors are the Function's first inputs
+    constants: Flat  # structure of (args, kwargs) after the carry
+    options: CheckpointOptions
+    device: torch.device
+    seed: int  # the per-call seed both loops' bodies start from
+    autocast: _autocast.AutocastSnapshot
+    selection: _selective.Selection | None
+    kept_offload: list[bool] = field(default_factory=list)
+    draws_after_body: int | None = None  # the running seed after tracing the forward body
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        return len(self.carry.tensors), len(self.constants.tensors)
+
+    def run_layer(
+        self,
+        carry: Sequence[torch.Tensor],
+        constants: Sequence[torch.Tensor],
+        layer: Sequence[torch.Tensor],
+    ) -> Flat:
+        args, kwargs = self.constants.rebuild(constants)
+        out = Flat.of(self.stack.call(self.carry.rebuild(carry), args, kwargs, layer))
+        expected = [TensorMeta.of(t) for t in carry]
+        got = [TensorMeta.of(t) for t in out.tensors]
+        if out.spec != self.carry.spec or got != expected:
+            raise CheckpointTypeError(
+                f"{_API}: expected each layer to return its carry's structure "
+                f"({_shape_of(self.carry, expected)}), got {_shape_of(out, got)}. A scanned "
+                "layer returns what the next layer takes as its first argument; adapt a layer "
+                "that returns more (a tuple with extras) with a small wrapper module."
+            )
+        return out
+
+    @contextmanager
+    def body_state(self) -> Iterator[None]:
+        """What both bodies trace under: the call's seed (torch_xla draws the per-iteration
+        seeds from it after tracing) and the forward's autocast settings."""
+        _xla.set_rng_state(self.device, self.seed)
+        with _autocast.replay(self.autocast), torch.enable_grad():
+            yield
+
+
+def _shape_of(flat: Flat, metas: Sequence[TensorMeta]) -> str:
+    """The structure with each tensor shown as its shape and dtype."""
+    if len(metas) != len(flat.tensor_positions):
+        return str(list(map(str, metas)))
+    leaves = list(flat.leaves)
+    for position, meta in zip(flat.tensor_positions, metas, strict=True):
+        leaves[position] = str(meta)
+    return str(pytree.tree_unflatten(leaves, flat.spec))
+
+
+def _scan(stack: _LayerStack, carry: Flat, constants: Flat, options: CheckpointOptions) -> Any:
+    device = next(
+        t.device for t in (*carry.tensors, *stack.template.parameters()) if _xla.is_xla_tensor(t)
+    )
+    stacked = stack.stacked()
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*carry.tensors, *constants.tensors, *stacked)
+    )
+    policy = options.policy
+    selection = None
+    if needs_grad and policy is not None and policy is not cp.nothing_saveable:
+        selection = _selective.Selection(_API, policy)
+    scan = _Scan(
+        stack=stack,
+        carry=carry.without_tensors(),
+        constants=constants.without_tensors(),
+        options=options,
+        device=device,
+        seed=0,
+        autocast=_autocast.capture(),
+        selection=selection,
+    )
+    with _seeded(scan):
+        if not needs_grad:
+            with torch.no_grad():
+                final = _forward_loop(scan, carry.tensors, constants.tensors, stacked, save=False)[
+                    0
+                ]
+        else:
+            final = _ScanFunction.apply(scan, *carry.tensors, *constants.tensors, *stacked)
+    return carry.rebuild(list(final))
+
+
+@contextmanager
+def _seeded(scan: _Scan) -> Iterator[None]:
+    """Give the call its own seed from the device's stream, and move the stream on by one
+    draw afterwards (two scans in a row must not share masks)."""
+    device = scan.device
+    outside = _xla.rng_state(device)
+    scan.seed = _mix(outside)
+    _rng._StepBaseSeed.remember(device)
+    try:
+        yield
+    finally:
+        after = _xla.advance_seed(outside)
+        _xla.set_rng_state(device, after)
+        _rng._StepBaseSeed.note_set(device, after)
+
+
+@contextmanager
+def _reseeded(scan: _Scan) -> Iterator[None]:
+    """The backward loop: the call's seed while it is built, the stream as it was after."""
+    outside = _xla.rng_state(scan.device)
+    try:
+        yield
+    finally:
+        _xla.set_rng_state(scan.device, outside)
+        _rng._StepBaseSeed.note_set(scan.device, outside)
+
+
+def _mix(seed: int) -> int:
+    """SplitMix64 of ``seed``: a seed unrelated to the stream ``seed`` continues."""
+    z = (seed + 0x9E3779B97F4A7C15) & _xla._SEED_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _xla._SEED_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _xla._SEED_MASK
+    return (z ^ (z >> 31)) >> 1  # non-negative as an int64
+
+
+def _leaf(tensor: torch.Tensor, grad: bool) -> torch.Tensor:
+    leaf = tensor.detach()
+    return leaf.requires_grad_() if grad else leaf
+
+
+def _forward_loop(
+    scan: _Scan,
+    carry: Sequence[torch.Tensor],
+    constants: Sequence[torch.Tensor],
+    stacked: Sequence[torch.Tensor],
+    *,
+    save: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The forward While loop: the last carry, and (with ``save``) per layer its input carry
+    and the values the policy kept, stacked."""
+    from torch_xla.experimental.scan import _scan_impl_pytree
+
+    # The carry is differentiated in any case: every layer's parameters reach the loss through
+    # the carries after it.
+    grads = [_floating(t) for t in carry], [_differentiable(t) for t in constants]
+    layer_grads = [_differentiable(t) for t in stacked]
+
+    def body(state: Any, layer: Any) -> Any:
+        carry_in, consts = state
+        with scan.body_state():
+            # Differentiable exactly as in the backward body: the policy sees the same ops.
+            inputs = [_leaf(t, g) for t, g in zip(carry_in, grads[0], strict=True)]
+            const_inputs = [_leaf(t, g) for t, g in zip(consts, grads[1], strict=True)]
+            layer_inputs = [_leaf(t, g and save) for t, g in zip(layer, layer_grads, strict=True)]
+            before = _values(layer_inputs, const_inputs)
+            selection = scan.selection
+            if selection is None:
+                out = scan.run_layer(inputs, const_inputs, layer_inputs)
+                kept: list[torch.Tensor] = []
+            else:
+                with selection.recording():
+                    out = scan.run_layer(inputs, const_inputs, layer_inputs)
+                kept = selection.take_kept(out.tensors)
+                scan.kept_offload = [d is cp.Decision.OFFLOAD for d in selection.decisions]
+            _check_unchanged(scan.stack, before, _values(layer_inputs, const_inputs))
+            scan.draws_after_body = _xla.rng_state(scan.device)
+        new_carry = [t.detach() for t in out.tensors]
+        saved = (list(carry_in), [t.detach() for t in kept]) if save else ([], [])
+        return (new_carry, list(consts)), saved
+
+    (final, _), (carries, kept) = _scan_impl_pytree(
+        body, (list(carry), list(constants)), list(stacked)
+    )
+    return list(final), list(carries), list(kept)
+
+
+def _floating(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad and _floating(tensor)
+
+
+def _values(
+    layer_inputs: Sequence[torch.Tensor], const_inputs: Sequence[torch.Tensor]
+) -> list[str]:
+    """What each leaf of the body holds, as torch_xla's IR text: an in-place write changes
+    it (kernels such as batch_norm's running statistics bump no version counter)."""
+    ir_text = _xla.ir_text
+    return [ir_text(t) for t in (*layer_inputs, *const_inputs)]
+
+
+def _check_unchanged(stack: _LayerStack, before: Sequence[str], after: Sequence[str]) -> None:
+    names = stack.param_names + stack.buffer_names
+    changed = [name for name, a, b in zip(names, before, after, strict=False) if a != b]
+    if changed:
+        raise CheckpointError(
+            f"{_API}: the layer modified {', '.join(map(repr, changed))} in place; a scanned "
+            "layer must only read its parameters and buffers (one body runs for all layers). "
+            "Keep layers that update state (BatchNorm statistics) in a Python loop."
+        )
+    if before[len(names) :] != after[len(names) :]:
+        raise CheckpointError(
+            f"{_API}: a layer modified one of its arguments in place; each layer must only "
+            "read the arguments after the carry, which all layers share."
+        )
+
+
+class _ScanFunction(torch.autograd.Function):
+    """``apply(scan, *carry, *constants, *stacked)`` -> the last carry's tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, scan: _Scan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        carry, constants, stacked = _split(tensors, *scan.counts)
+        final, carries, kept = _forward_loop(scan, carry, constants, stacked, save=True)
+        offload = [scan.options.offload_to_cpu] * len(carries) + scan.kept_offload
+        residuals, devices = _offload.to_host([*carries, *kept], offload)
+        ctx.scan = scan
+        ctx.devices = devices
+        ctx.lengths = (len(constants), len(stacked), len(carries))
+        ctx.wanted = [_differentiable(t) for t in tensors]
+        ctx.save_for_backward(*constants, *stacked, *residuals)
+        return tuple(final)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        scan: _Scan = ctx.scan
+        n_const, n_stacked, n_carries = ctx.lengths
+        constants, stacked, residuals = _split(ctx.saved_tensors, n_const, n_stacked)
+        carries, kept = _split(_offload.to_device(residuals, ctx.devices), n_carries)
+        with _reseeded(scan):
+            wanted = _split(ctx.wanted, *scan.counts)
+            gradients = _backward_loop(scan, grads, constants, stacked, carries, kept, wanted)
+        return (None, *gradients)
+
+
+def _split(seq: Sequence[Any], *lengths: int) -> list[list[Any]]:
+    """``seq`` cut into pieces of ``lengths``, and the rest."""
+    pieces, start = [], 0
+    for length in lengths:
+        pieces.append(list(seq[start : start + length]))
+        start += length
+    return [*pieces, list(seq[start:])]
+
+
+def _backward_loop(
+    scan: _Scan,
+    grads: Sequence[torch.Tensor],
+    constants: Sequence[torch.Tensor],
+    stacked: Sequence[torch.Tensor],
+    carries: Sequence[torch.Tensor],
+    kept: Sequence[torch.Tensor],
+    wanted: Sequence[Sequence[bool]],
+) -> list[torch.Tensor | None]:
+    """The backward While loop, last layer first: recompute each layer from its input carry
+    and differentiate it. The constants' gradients accumulate in the loop state, the layers'
+    come out stacked. Returns the gradients of the Function's inputs (None where unwanted)."""
+    from torch_xla.experimental.scan import _scan_impl_pytree
+
+    want_carry, want_const, want_layer = wanted
+    carry_grad = [_floating(t) for t in carries]  # the chain of carries, wanted or not
+
+    def body(state: Any, layer: Any) -> Any:
+        grad_out, consts, acc = state
+        params, carry_in, kept_here = layer
+        with scan.body_state(), recomputing():
+            inputs = [_leaf(t, g) for t, g in zip(carry_in, carry_grad, strict=True)]
+            const_inputs = [_leaf(t, g) for t, g in zip(consts, want_const, strict=True)]
+            layer_inputs = [_leaf(t, g) for t, g in zip(params, want_layer, strict=True)]
+            with ExitStack() as stack:
+                if scan.selection is not None:
+                    stack.enter_context(scan.selection.substituting(kept_here, connected=True))
+                out = scan.run_layer(inputs, const_inputs, layer_inputs)
+            if _xla.rng_state(scan.device) != scan.draws_after_body:
+                raise_not_deterministic(_API, "drew a different number of random values")
+            pairs = [(t, g) for t, g in zip(out.tensors, grad_out, strict=True) if t.requires_grad]
+            wrt = [t for t in (*inputs, *const_inputs, *layer_inputs) if t.requires_grad]
+            computed: Sequence[torch.Tensor | None] = [None] * len(wrt)
+            if pairs and wrt:
+                outputs, output_grads = zip(*pairs, strict=True)
+                computed = torch.autograd.grad(outputs, wrt, output_grads, allow_unused=True)
+        it = iter(
+            torch.zeros_like(t) if g is None else g for t, g in zip(wrt, computed, strict=True)
+        )
+        grad_in = [
+            next(it) if g else torch.zeros_like(t)
+            for t, g in zip(carry_in, carry_grad, strict=True)
+        ]
+        grad_consts = [next(it) for g in want_const if g]
+        grad_layer = [next(it) for g in want_layer if g]
+        acc = [a + g for a, g in zip(acc, grad_consts, strict=True)]
+        return (grad_in, list(consts), acc), grad_layer
+
+    accumulators = [torch.zeros_like(c) for c, g in zip(constants, want_const, strict=True) if g]
+    (grad_init, _, acc), grad_layers = _scan_impl_pytree(
+        body,
+        (list(grads), list(constants), accumulators),
+        (list(stacked), list(carries), list(kept)),
+        reverse=True,
+    )
+    acc_it, layer_it = iter(acc), iter(grad_layers)
+    return [
+        *(g if w else None for g, w in zip(grad_init, want_carry, strict=True)),
+        *(next(acc_it) if w else None for w in want_const),
+        *(next(layer_it) if w else None for w in want_layer),
+    ]
