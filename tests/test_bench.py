@@ -117,22 +117,23 @@ def test_the_sharded_model_takes_a_divisible_batch_and_the_tools_that_run_on_xla
         _sizes(parse_args(["--size", "transformer-fsdpv2.batch=6"]), ["transformer-fsdpv2"])
     every = ["none", "torch.utils.checkpoint", "torch_xla.utils.checkpoint", "xla_wrap"]
     assert _variants_for("transformer", every) == every
-    assert _variants_for("transformer-fsdpv2", every) == [
+    assert _variants_for("transformer-fsdpv2", [*every, "xla_wrap scan"]) == [
         "none",
         "torch_xla.utils.checkpoint",
         "xla_wrap",
+        "xla_wrap scan",
     ]
 
 
-def test_the_save_policy_runs_on_the_transformer_and_the_engine_comparison_on_request() -> None:
-    from xla_wrap.bench._cli import _variants_for
-
-    from xla_wrap.bench._cli import _DEFAULT_VARIANTS
+def test_the_save_policy_and_scan_run_on_the_transformer_and_comparisons_on_request() -> None:
+    from xla_wrap.bench._cli import _DEFAULT_VARIANTS, _variants_for
 
     default = _DEFAULT_VARIANTS.split(",")
-    assert "xla_wrap dots_saveable" in default and "xla_wrap reentrant" not in default
-    assert "xla_wrap dots_saveable" in _variants_for("transformer", default)
-    assert "xla_wrap dots_saveable" not in _variants_for("conv", default)
+    assert "xla_wrap dots_saveable" in default and "xla_wrap scan" in default
+    assert "xla_wrap reentrant" not in default and "torch_xla scan_layers" not in default
+    for variant in ("xla_wrap dots_saveable", "xla_wrap scan"):
+        assert variant in _variants_for("transformer", default)
+        assert variant not in _variants_for("conv", default)
 
 
 def test_the_transformer_can_keep_its_mask_as_a_buffer_with_the_same_loss() -> None:

@@ -58,6 +58,10 @@ def test_flops_and_counts_in_hlo_text() -> None:
     assert introspect.count_instructions(_HLO, "convolution") == 1
 
 
+_WHILE = (
+    "  %while.0 = (s64[], f32[8,16]{1,0}, f32[16,32]{1,0}) while(%tuple.0), condition=%Cond.1, "
+    'body=%Body.1, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0"}}'
+)
 _LOOP_MODULE = """HloModule loop
 
 %fused (param_0: f32[8,16], param_1: f32[16,32]) -> f32[8,32] {
@@ -83,10 +87,11 @@ ENTRY %main (x: f32[8,16], w: f32[16,32]) -> f32[8,32] {
   %x = f32[8,16]{1,0} parameter(0)
   %w = f32[16,32]{1,0} parameter(1)
   %once = f32[8,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}
-  %while.0 = (s64[], f32[8,16]{1,0}, f32[16,32]{1,0}) while(%tuple.0), condition=%Cond.1, body=%Body.1, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
+WHILE_LINE
   ROOT %r = f32[8,32]{1,0} copy(%once)
 }
 """
+_LOOP_MODULE = _LOOP_MODULE.replace("WHILE_LINE", _WHILE)
 
 
 def test_flops_count_a_loop_body_once_per_known_iteration() -> None:

@@ -87,6 +87,29 @@ def test_save_policies_example_smallest_configuration() -> None:
     assert peak[full] < peak[dots] < peak["no checkpointing"]
 
 
+@pytest.mark.subprocess
+@pytest.mark.xla
+def test_scan_stack_example_smallest_configuration() -> None:
+    pytest.importorskip("torch_xla")
+    done = _run_example(
+        "scan_stack.py", "--blocks=3", "--dim=32", "--seq=16", "--batch=2", "--steps=4"
+    )
+    assert "scanned stack: compiling and running" in done.stdout  # progress is shown
+    rows = {line[:20].strip(): line[20:].split() for line in done.stdout.splitlines()}
+    loop, scan = rows["checkpointed loop"], rows["scanned stack"]
+    assert float(scan[3]) == pytest.approx(float(loop[3]), rel=1e-5)  # the same loss
+    assert all(float(v) > 0 for v in (*scan[:3], *loop[:3]))  # compile s, trace ms, peak
+    difference = done.stdout.split("largest value: ")[1].split()[0]
+    assert float(difference) < 1e-4
+    curves = [
+        [float(v) for v in part.split("]")[0].split(",")]
+        for part in done.stdout.split("losses [")[1:]
+    ]
+    assert len(curves) == 2 and all(len(c) == 4 for c in curves)
+    for curve in curves:  # both train, with Dropout
+        assert curve[-1] < curve[0]
+
+
 @pytest.mark.parametrize(
     ("example", "option"),
     [
@@ -96,6 +119,7 @@ def test_save_policies_example_smallest_configuration() -> None:
         ("hf_llama.py", "--steps"),
         ("hf_trainer.py", "--sft"),
         ("save_policies.py", "--blocks"),
+        ("scan_stack.py", "--blocks"),
     ],
 )
 def test_example_help_runs_without_starting_xla(example: str, option: str) -> None:

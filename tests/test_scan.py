@@ -433,3 +433,29 @@ def test_under_fsdpv2_the_scanned_layers_parameters_stay_sharded(
     sharded = spmd_results[name]["sharded"]
     weights = [p for p in sharded if p.startswith("blocks.") and p.endswith("weight")]
     assert weights and all(sharded[p] for p in weights)
+
+
+@pytest.mark.xla
+def test_boolean_masks_reach_the_layers_as_booleans(xla_device: torch.device) -> None:
+    """torch_xla multiplies every loop input by 1 before tracing, which makes a boolean an
+    integer; attention masks must still arrive as booleans (Falcon's sdpa refuses others)."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+            self.register_buffer("keep", torch.rand(WIDTH) > 0.5, persistent=False)
+
+        def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+            assert mask.dtype == torch.bool and self.keep.dtype == torch.bool
+            return self.lin(x).masked_fill(mask, 0.0) * self.keep + x
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Masked() for _ in range(3))
+    mask = torch.rand(2, WIDTH) > 0.5
+    x = torch.randn(2, WIDTH)
+    expected = _loop(layers, x, mask=mask)
+    stack = copy.deepcopy(layers).to(xla_device)
+    got = xla_wrap.scan_layers(stack, x.to(xla_device).requires_grad_(), mask=mask.to(xla_device))
+    got.sum().backward()
+    torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)

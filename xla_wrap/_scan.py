@@ -128,7 +128,7 @@ class _LayerStack:
 
     layers: tuple[nn.Module, ...]
     param_names: tuple[str, ...]
-    buffer_names: tuple[str, ...]  # stacked: the layers' own buffers
+    buffer_names: tuple[str, ...]  # the layers' own buffers, stacked per name
     shared_buffers: dict[str, torch.Tensor]  # one tensor all layers hold: passed once
     wrapped_options: CheckpointOptions | None  # the layers were checkpoint-wrapped alike
 
@@ -307,9 +307,15 @@ def _settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
 
 
 def _first_difference(ours: tuple[object, ...], theirs: tuple[object, ...]) -> str:
+    """The first entry that differs, narrowed to the setting inside a module's entry."""
     for a, b in zip(ours, theirs, strict=False):
-        if a != b:
-            return f"{b} where layer 0 has {a}"
+        if a == b:
+            continue
+        if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] and len(a) == len(b):
+            where = f"{a[0] or 'the layer'}: " if isinstance(a[0], str) else ""
+            inner = next((x, y) for x, y in zip(a[1:], b[1:], strict=True) if x != y)
+            return f"{where}{inner[1]} where layer 0 has {inner[0]}"
+        return f"{b} where layer 0 has {a}"
     return f"{len(theirs)} entries where layer 0 has {len(ours)}"
 
 
@@ -486,8 +492,11 @@ def _forward_loop(
     grads = [_floating(t) for t in carry], [_differentiable(t) for t in constants]
     layer_grads = [_differentiable(t) for t in stacked]
 
+    dtypes = [t.dtype for t in carry], [t.dtype for t in constants], [t.dtype for t in stacked]
+
     def body(state: Any, layer: Any) -> Any:
-        carry_in, consts = state
+        carry_in, consts = _as(state[0], dtypes[0]), _as(state[1], dtypes[1])
+        layer = _as(layer, dtypes[2])
         with scan.body_state():
             # Differentiable exactly as in the backward body: the policy sees the same ops.
             inputs = [_leaf(t, g) for t, g in zip(carry_in, grads[0], strict=True)]
@@ -513,6 +522,12 @@ def _forward_loop(
         body, (list(carry), list(constants)), list(stacked)
     )
     return list(final), list(carries), list(kept)
+
+
+def _as(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """The body's inputs in their own dtypes: torch_xla multiplies each by 1 before tracing
+    the body, which turns a boolean mask into an integer one."""
+    return [t if t.dtype == d else t.to(d) for t, d in zip(tensors, dtypes, strict=True)]
 
 
 def _floating(tensor: torch.Tensor) -> bool:
@@ -602,9 +617,13 @@ def _backward_loop(
     want_carry, want_const, want_layer = wanted
     carry_grad = [_floating(t) for t in carries]  # the chain of carries, wanted or not
 
+    dtypes = [t.dtype for t in constants], [t.dtype for t in stacked], [t.dtype for t in carries]
+
     def body(state: Any, layer: Any) -> Any:
         grad_out, consts, acc = state
         params, carry_in, kept_here = layer
+        consts, params = _as(consts, dtypes[0]), _as(params, dtypes[1])
+        carry_in = _as(carry_in, dtypes[2])
         with scan.body_state(), recomputing():
             inputs = [_leaf(t, g) for t, g in zip(carry_in, carry_grad, strict=True)]
             const_inputs = [_leaf(t, g) for t, g in zip(consts, want_const, strict=True)]

@@ -228,7 +228,7 @@ def apply_scan(
         try:
             _LayerStack.of(list(module))
         except (CheckpointTypeError, CheckpointError, ValueError) as error:
-            reasons.append(f"{name or 'the model'}: {error}")
+            reasons.append(f"{name or 'the model'}: {str(error).rstrip('.')}")
             continue
         found.append(module)
         inside.update(id(m) for m in module.modules())

@@ -41,7 +41,7 @@ QUICK_SIZES = {
 }
 # Under FSDP only the tools that run on XLA with the right gradients are worth compiling: the
 # others crash or give wrong gradients already without sharding (see the other models).
-SHARDED_VARIANTS = ("none", "torch_xla.utils.checkpoint", "xla_wrap")
+SHARDED_VARIANTS = ("none", "torch_xla.utils.checkpoint", "xla_wrap", "xla_wrap scan")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

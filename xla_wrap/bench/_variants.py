@@ -108,9 +108,11 @@ STACK_VARIANTS: dict[str, Callable[[nn.ModuleList], nn.ModuleList]] = {
 VARIANTS.update(dict.fromkeys(STACK_VARIANTS))
 
 # Run only when asked for (--variants): the engine comparison behind the default engine
-# (docs/policies.md). The save policy runs on the transformer only: a conv block is nothing
-# but convolutions and ReLUs, so keeping the products keeps almost everything.
-OPT_IN = ("xla_wrap reentrant",)
+# (docs/policies.md), and torch_xla's scan_layers, which takes no keyword arguments (the
+# default transformer passes its mask as one; the depth sweep runs it with the mask a buffer).
+# The save policy and the scans run on the transformer only: a conv block is nothing but
+# convolutions and ReLUs, so keeping the products keeps almost everything.
+OPT_IN = ("xla_wrap reentrant", "torch_xla scan_layers")
 TRANSFORMER_ONLY = ("xla_wrap dots_saveable", *STACK_VARIANTS)
 # The depth sweep (--depth): loops against scans, Dropout off (torch_xla's scan crashes on it).
 DEPTH_VARIANTS = (

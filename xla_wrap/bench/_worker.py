@@ -211,6 +211,8 @@ def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) 
         barriers=program.count("opt-barrier"),
         recompiles=met.metric_data("CompileTime")[0] - compiles,
         compile_s=compile_s,
+        # A scanned stack draws its own Dropout masks: its gradients cannot equal the loop's.
+        own_masks=variant in STACK_VARIANTS and sizes.get("dropout_pct", 0) > 0,
         trace_ms=statistics.median(traced) * 1e3,
     )
     return result
