@@ -6,15 +6,12 @@ and reports loss, gradients, recomputations and what XLA compiled; the tests jud
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _workers import run_worker
 
 pytestmark = pytest.mark.xla
 
@@ -33,16 +30,7 @@ DEPTH = 4
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("torch_xla")
     out = tmp_path_factory.mktemp("spmd") / "results.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.exists(), f"the SPMD worker wrote nothing (rc {proc.returncode}):\n{proc.stderr}"
-    loaded: dict[str, Any] = json.loads(out.read_text())
+    loaded = run_worker(WORKER, out)
     return loaded
 
 

@@ -5,15 +5,12 @@ recomputes as XLA compiles it, the way in for models that loop over a ModuleList
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _workers import run_worker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -391,16 +388,7 @@ SCANNED_UNDER_FSDPV2 = ["fsdpv2 units, scanned", "fsdpv2 root, scanned"]
 def spmd_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("torch_xla")
     out = tmp_path_factory.mktemp("scan_spmd") / "results.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
-    proc = subprocess.run(
-        [sys.executable, str(FSDPV2_WORKER), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.exists(), f"the worker wrote nothing (rc {proc.returncode}):\n{proc.stderr}"
-    results: dict[str, Any] = json.loads(out.read_text())
+    results = run_worker(FSDPV2_WORKER, out)
     for name, result in results.items():
         assert "error" not in result, f"{name}: {result['error']}"
     return results

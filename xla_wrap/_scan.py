@@ -208,14 +208,14 @@ class _LayerStack:
         names = self.param_names + self.buffer_names
         mapping = dict(zip(names, tensors, strict=True))
         mapping.update(self.shared_buffers)
-        template = self.template
-        forward = (
-            template.unchecked_forward
-            if isinstance(template, CheckpointWrapper)
-            else template.forward
-        )
-        with _reparametrize_module(template, mapping):
-            return forward(carry, *args, **kwargs)
+        with _reparametrize_module(self.template, mapping):
+            return _own_forward(self.template)(carry, *args, **kwargs)
+
+
+def _own_forward(layer: nn.Module) -> Any:
+    """The layer's forward, without the checkpoint of a checkpoint-wrapped layer (the scan
+    checkpoints it) and without module hooks (refused: a loop body cannot run them)."""
+    return layer.unchecked_forward if isinstance(layer, CheckpointWrapper) else layer.forward
 
 
 def _check_runnable(index: int, layer: nn.Module) -> None:
@@ -334,9 +334,8 @@ def _loop(
     """Off XLA: the loop itself, each layer checkpointed."""
     carry, rest = args[0], args[1:]
     for layer in stack.layers:
-        forward = layer.unchecked_forward if isinstance(layer, CheckpointWrapper) else layer
         carry = run_checkpointed(
-            _API, forward, (carry, *rest), kwargs, owners=(layer,), options=options
+            _API, _own_forward(layer), (carry, *rest), kwargs, owners=(layer,), options=options
         )
     return carry
 

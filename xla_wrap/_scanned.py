@@ -227,7 +227,7 @@ def apply_scan(
             continue
         try:
             _LayerStack.of(list(module))
-        except (CheckpointTypeError, CheckpointError, ValueError) as error:
+        except (CheckpointTypeError, CheckpointValueError) as error:
             reasons.append(f"{name or 'the model'}: {str(error).rstrip('.')}")
             continue
         found.append(module)

@@ -1,0 +1,30 @@
+"""Running a test worker script in a fresh Python process.
+
+SPMD must be switched on before a process's first XLA tensor, and tests/conftest.py makes one
+at import, so tests of SPMD compositions run a worker script in a process of its own, without
+the session's XLA flags and device count; the worker writes its results as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_worker(script: Path, out: Path, timeout: float = 300) -> dict[str, Any]:
+    """Run ``python script out`` in a fresh process and return the JSON it wrote to ``out``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.exists(), f"{script.name} wrote nothing (rc {proc.returncode}):\n{proc.stderr}"
+    results: dict[str, Any] = json.loads(out.read_text())
+    return results
