@@ -22,6 +22,8 @@ from ._errors import CheckpointTypeError as CheckpointTypeError
 from ._errors import CheckpointValueError as CheckpointValueError
 from ._errors import XlaWrapError as XlaWrapError
 from ._options import CheckpointOptions as CheckpointOptions
+from ._plan import CheckpointPlan as CheckpointPlan
+from ._planner import plan_checkpointing as plan_checkpointing
 from ._scan import scan_layers as scan_layers
 from ._scanned import ScannedLayers as ScannedLayers
 from ._scanned import apply_scan as apply_scan
@@ -37,6 +39,7 @@ __all__ = [
     "BarriersStrippedWarning",
     "CheckpointError",
     "CheckpointOptions",
+    "CheckpointPlan",
     "CheckpointTypeError",
     "CheckpointValueError",
     "CheckpointWrapper",
@@ -53,6 +56,7 @@ __all__ = [
     "introspect",
     "is_recomputing",
     "optimization_barrier",
+    "plan_checkpointing",
     "scan_layers",
     "unwrap",
     "wrap",

@@ -267,7 +267,7 @@ def _check_alike(first: nn.Module, index: int, layer: nn.Module) -> None:
             ),
             tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
             tuple((n, type(m).__qualname__) for n, m in module.named_modules()),
-            tuple((n, *_settings(m)) for n, m in module.named_modules()),
+            tuple((n, *plain_settings(m)) for n, m in module.named_modules()),
         )
 
     if base(layer) is not base(first) or signature(layer) != signature(first):
@@ -293,7 +293,7 @@ def _check_alike(first: nn.Module, index: int, layer: nn.Module) -> None:
 _LAYER_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
 
 
-def _settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
+def plain_settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
     """A module's plain settings (numbers, strings, flags): the template's are what every
     layer runs with, so layers must agree on them (a sliding window on some layers only)."""
     return tuple(

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from . import _hooks, _xla
-from ._errors import CheckpointTypeError, CheckpointValueError
+from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._options import options_from
+from ._plan import CheckpointPlan
 from ._recompute import ForwardRecord
 from ._tree import Flat
 from ._wrapper import checkpoint_wrapper
@@ -64,19 +65,33 @@ def auto_wrap_policy(policy: Policy, model: nn.Module) -> Callable[..., bool]:
 
 
 def auto_wrapper_callable(
-    *, fsdp_class: type | None = None, **checkpoint_options: Any
+    *, fsdp_class: type | None = None, plan: CheckpointPlan | None = None, **checkpoint_options: Any
 ) -> Callable[..., nn.Module]:
     """FSDP's ``auto_wrapper_callable``: build each unit as ``FSDP(checkpoint_wrapper(m))``.
 
     Args:
         fsdp_class: The FSDP class; torch_xla's ``XlaFullyShardedDataParallel`` if omitted.
+        plan: A :class:`xla_wrap.CheckpointPlan` made on the model about to be wrapped: each
+            unit is checkpointed as the plan chose for its module (or not at all), in place of
+            one set of options for all.
         **checkpoint_options: Options for :func:`xla_wrap.checkpoint_wrapper`.
     """
-    options_from("xla_wrap.fsdp.auto_wrapper_callable", checkpoint_options)  # fail early
+    api = "xla_wrap.fsdp.auto_wrapper_callable"
+    options = options_from(api, checkpoint_options)  # fail early
+    if plan is not None and (checkpoint_options or not isinstance(plan, CheckpointPlan)):
+        raise CheckpointTypeError(
+            f"{api}: expected a CheckpointPlan as `plan` and no other checkpoint options (the "
+            f"plan chooses them per unit), got plan={describe(plan)} and "
+            f"{sorted(checkpoint_options)}. Pass one or the other."
+        )
     fsdp = fsdp_class or _xla.xla_fsdp_class()
 
     def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        unit: nn.Module = fsdp(checkpoint_wrapper(module, **checkpoint_options), *args, **kwargs)
+        chosen = options if plan is None else plan.options_of(module)
+        if chosen is None:  # the plan keeps this unit's activations
+            unit: nn.Module = fsdp(module, *args, **kwargs)
+            return unit
+        unit = fsdp(checkpoint_wrapper(module, **chosen.as_keywords()), *args, **kwargs)
         # SPMD FSDP shards the unit's output after the checkpoint returned it; the checkpoint's
         # backward must shard the gradient the same way (see _record_output_sharding).
         unit.register_forward_hook(_record_output_shardings)
@@ -99,11 +114,12 @@ _FSDP_CLASS_NAMES = frozenset(
 
 def fsdp_units(model: nn.Module) -> list[str]:
     """Qualified names of the FSDP units in ``model`` ("" for the model itself)."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if any(cls.__name__ in _FSDP_CLASS_NAMES for cls in type(module).__mro__)
-    ]
+    return [name for name, module in model.named_modules() if is_unit(module)]
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is a unit of any FSDP (its class or a base named like FSDP's)."""
+    return any(cls.__name__ in _FSDP_CLASS_NAMES for cls in type(module).__mro__)
 
 
 def format_units(units: list[str]) -> str:

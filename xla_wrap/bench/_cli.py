@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from .._xla import KEEP_BARRIERS_FLAG
-from ._models import MODELS, SHARDED_DEVICES
-from ._report import compare, render_chart, render_table
+from ._models import MODELS, PLAN_ONLY_MODELS, SHARDED_DEVICES
+from ._report import compare, render_chart, render_plan_table, render_table
 from ._variants import DEPTH_VARIANTS, OPT_IN, TRANSFORMER_ONLY, VARIANTS
 
 _DEFAULT_VARIANTS = ",".join(v for v in VARIANTS if v not in OPT_IN)
@@ -33,12 +33,20 @@ DEFAULT_SIZES = {
     "conv": {"blocks": 16, "channels": 256, "size": 14, "batch": 16},
     "transformer": _TRANSFORMER,
     "transformer-fsdpv2": _TRANSFORMER,
+    "uneven": {"blocks": 8, "dim": 128, "batch": 1024, "dropout_pct": 10},
 }
 QUICK_SIZES = {
     "conv": {"blocks": 3, "channels": 8, "size": 4, "batch": 2},
     "transformer": _QUICK_TRANSFORMER,
     "transformer-fsdpv2": _QUICK_TRANSFORMER,
+    "uneven": {"blocks": 4, "dim": 16, "batch": 32, "dropout_pct": 10},
 }
+# The plan section's models: (label, model, sizes changed from the defaults).
+PLAN_GROUPS: tuple[tuple[str, str, dict[str, int]], ...] = (
+    ("transformer, Dropout off", "transformer", {"dropout_pct": 0}),
+    ("transformer, Dropout 0.1", "transformer", {}),
+    ("uneven MLP blocks, Dropout 0.1", "uneven", {}),
+)
 # Under FSDP only the tools that run on XLA with the right gradients are worth compiling: the
 # others crash or give wrong gradients already without sharding (see the other models).
 SHARDED_VARIANTS = ("none", "torch_xla.utils.checkpoint", "xla_wrap", "xla_wrap scan")
@@ -85,6 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a depth sweep instead, e.g. 12,24,48: the transformer at each number of blocks "
         "(mask as a buffer, Dropout off), Python loops against scanned stacks "
         f"(default variants: {', '.join(DEPTH_VARIANTS)})",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="the plan section instead: xla_wrap.plan_checkpointing at three budgets against "
+        "every uniform plan, on the transformer (Dropout off and on) and on blocks of unequal "
+        "sizes",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument(
@@ -153,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return _worker_main(args.worker)
+    if args.plan:
+        return _plan_main(args)
     models = [m for m in args.models.split(",") if m]
     if args.depth:
         models = ["transformer"]
@@ -232,6 +249,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _plan_main(args: argparse.Namespace) -> int:
+    sizes = _sizes(args, ["transformer", *PLAN_ONLY_MODELS])
+    flags = "" if args.stock else KEEP_BARRIERS_FLAG
+    print(f"xla_wrap.bench plan section on XLA:CPU, barriers kept ({flags})", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sections = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="xla_wrap_bench_") as tmp_name:
+        for index, (label, model, changed) in enumerate(PLAN_GROUPS, start=1):
+            sized = dict(sizes[model], **changed)
+            job = {"task": "plan", "model": model, "sizes": sized, "steps": args.steps}
+            print(f"[{index}/{len(PLAN_GROUPS)}] {label} ...", end=" ", flush=True)
+            sections.append(
+                {"model": label, "sizes": sized, **_spawn(job, flags, Path(tmp_name), args.timeout)}
+            )
+    table = render_plan_table(sections)
+    print()
+    print(table)
+    json_path = args.out / "plan.json"
+    json_path.write_text(json.dumps({"steps": args.steps, "sections": sections}, indent=2))
+    print(f"\nwrote {json_path}")
+    print(f"total {time.monotonic() - started:.0f} s")
+    return 0
+
+
 def _variants_for(model: str, variants: list[str]) -> list[str]:
     if model.endswith("fsdpv2"):
         return [v for v in variants if v in SHARDED_VARIANTS]
@@ -281,13 +323,15 @@ def _read_result(path: Path, done: subprocess.CompletedProcess[str]) -> dict[str
 
 
 def _worker_main(job_text: str) -> int:
-    from ._worker import measure, time_variants
+    from ._worker import measure, plan_section, time_variants
 
     job = json.loads(job_text)
-    if job["task"] not in ("measure", "time"):
+    if job["task"] not in ("measure", "time", "plan"):
         raise KeyError(f"unknown benchmark task {job['task']!r}")
     if job["task"] == "measure":
         result = measure(job["model"], job["variant"], job["sizes"], Path(job["grads"]))
+    elif job["task"] == "plan":
+        result = plan_section(job["model"], job["sizes"], job["steps"])
     else:
         result = time_variants(job["model"], job["variants"], job["sizes"], job["steps"])
     Path(job["result"]).write_text(json.dumps(result))

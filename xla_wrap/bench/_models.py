@@ -99,6 +99,40 @@ class TransformerStack(nn.Module):
         return self.head(self.norm(x)).pow(2).mean()
 
 
+class MlpBlock(nn.Module):
+    """Pre-LayerNorm residual MLP with Dropout; its hidden width sets its size."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(self.drop(nn.functional.gelu(self.up(self.norm(x))))))
+
+
+# The uneven stack's hidden widths, as multiples of its width: the plan's hard case, where
+# checkpointing one block saves sixteen times what another does.
+UNEVEN_WIDTHS = (1, 8, 4, 16, 2, 8, 1, 4)
+
+
+class UnevenStack(nn.Module):
+    def __init__(self, blocks: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            MlpBlock(dim, dim * UNEVEN_WIDTHS[i % len(UNEVEN_WIDTHS)], dropout)
+            for i in range(blocks)
+        )
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and the fixed inputs of its training step (made on the host, seeded)."""
@@ -117,11 +151,14 @@ class Workload:
 
 
 MODELS = ("conv", "transformer", "transformer-fsdpv2")
+# Only in the plan section (--plan): blocks of unequal sizes.
+PLAN_ONLY_MODELS = ("uneven",)
 SHARDED_DEVICES = 4
 
 
 def build(name: str, sizes: dict[str, int]) -> Workload:
-    """Build model ``name`` (one of :data:`MODELS`) with ``sizes`` on the CPU, seeded."""
+    """Build model ``name`` (one of :data:`MODELS` or :data:`PLAN_ONLY_MODELS`) with
+    ``sizes`` on the CPU, seeded."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     if name == "conv":
@@ -139,4 +176,10 @@ def build(name: str, sizes: dict[str, int]) -> Workload:
         kwargs = {} if in_blocks else {"mask": causal_mask(s)}
         devices = SHARDED_DEVICES if name.endswith("fsdpv2") else 1
         return Workload(model, (x,), kwargs, devices)
-    raise ValueError(f"xla_wrap.bench: unknown model {name!r}; choose among {MODELS}")
+    if name == "uneven":
+        model = UnevenStack(sizes["blocks"], sizes["dim"], sizes["dropout_pct"] / 100)
+        x = torch.randn(sizes["batch"], sizes["dim"], generator=generator)
+        return Workload(model, (x,), {})
+    raise ValueError(
+        f"xla_wrap.bench: unknown model {name!r}; choose among {MODELS + PLAN_ONLY_MODELS}"
+    )

@@ -99,6 +99,51 @@ def render_table(runs: list[dict[str, Any]], caption: str = "") -> str:
     return "\n".join([caption, *lines] if caption else lines)
 
 
+def render_plan_table(sections: list[dict[str, Any]]) -> str:
+    """The plan section: per model, the uniform plans, then each budget's plan next to the
+    cheapest uniform plan that fits the same budget."""
+    from ._plan import summary
+
+    rows = [
+        ("model", "plan", "budget MiB", "peak MiB", "fits", "FLOPs vs none", "step vs none",
+         "cheapest fitting uniform", "its FLOPs")
+    ]  # fmt: skip
+    for section in sections:
+        if "error" in section:
+            rows.append((section["model"], "error", "", "", "", "", "", section["error"][:80], ""))
+            continue
+        uniform = section["uniform"]
+        none = uniform["none"]
+
+        def ratio(value: float | None, reference: float | None) -> str:
+            return f"{value / reference:.3f}x" if value and reference else "-"
+
+        for name, u in uniform.items():
+            rows.append((
+                section["model"], name, "-", f"{u['peak_bytes'] / 2**20:.1f}", "-",
+                ratio(u["flops"], none["flops"]), ratio(u.get("step_ms"), none.get("step_ms")),
+                "", "",
+            ))  # fmt: skip
+        for p in section["planned"]:
+            cheapest = p["cheapest_uniform"]
+            rows.append((
+                section["model"], f"planned: {summary(p['choices'])}",
+                f"{p['budget_bytes'] / 2**20:.1f}", f"{p['peak_bytes'] / 2**20:.1f}",
+                "yes" if p["peak_bytes"] <= p["budget_bytes"] else "NO",
+                ratio(p["flops"], none["flops"]), ratio(p.get("step_ms"), none.get("step_ms")),
+                cheapest or "none fits",
+                ratio(uniform[cheapest]["flops"], none["flops"]) if cheapest else "-",
+            ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i in (0, 1, 7) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    )
+
+
 def render_chart(runs: list[dict[str, Any]], path: Path) -> Path | None:
     """Peak memory and step time per variant, one panel pair per model; None without
     matplotlib."""

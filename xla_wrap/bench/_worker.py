@@ -42,46 +42,55 @@ def time_variants(model_name: str, variants: list[str], sizes: dict[str, int], s
     must add exactly one sample (one execution per step). A variant that fails here is dropped
     with its error; the others go on.
     """
-    import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as met
-
-    steps_by_variant: dict[str, Callable[[], torch.Tensor]] = {}
+    steps_by_variant: dict[str, Callable[[], Any]] = {}
     errors: dict[str, str] = {}
     for variant in variants:
         try:
             steps_by_variant[variant] = _prepare(model_name, variant, sizes)
         except Exception as error:
             errors[variant] = _error(error)["error"]
-    times: dict[str, list[float]] = {v: [] for v in steps_by_variant}
+    step_ms, failed = interleaved_step_ms(steps_by_variant, steps)
+    return {"step_ms": step_ms, "errors": {**errors, **failed}}
 
-    def timed(variant: str) -> float:
+
+def interleaved_step_ms(
+    steps_by_name: dict[str, Callable[[], Any]], steps: int
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Median XLA execution time (ms) of each step, steps interleaved round by round after
+    :data:`WARM_UP_STEPS`; and the error of each step that failed (the others go on)."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    errors: dict[str, str] = {}
+    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+
+    def timed(name: str) -> float:
         before = _execute_counts(met)
-        steps_by_variant[variant]()
+        steps_by_name[name]()
         xm.wait_device_ops()
         after = _execute_counts(met)
         executions = sum(after.values()) - sum(before.values())
         if executions != 1:
             raise RuntimeError(f"one step ran {executions} XLA executions, expected 1")
-        name = next(n for n in _EXECUTE_METRICS if after[n] > before[n])
-        return float(met.metric_data(name)[2][-1][1]) / 1e6
+        metric = next(n for n in _EXECUTE_METRICS if after[n] > before[n])
+        return float(met.metric_data(metric)[2][-1][1]) / 1e6
 
-    order = list(steps_by_variant)
+    order = list(steps_by_name)
     for round_index in range(WARM_UP_STEPS + steps):
-        for variant in order:
-            if variant in errors:
+        for name in order:
+            if name in errors:
                 continue
             try:
-                elapsed = timed(variant)
+                if round_index < WARM_UP_STEPS:  # compiles, and may run what was pending
+                    steps_by_name[name]()
+                    xm.wait_device_ops()
+                else:
+                    times[name].append(timed(name))
             except Exception as error:
-                errors[variant] = _error(error)["error"]
-                continue
-            if round_index >= WARM_UP_STEPS:
-                times[variant].append(elapsed)
-        order = order[1:] + order[:1]  # rotate, so no variant always runs first
-    return {
-        "step_ms": {v: statistics.median(t) for v, t in times.items() if t and v not in errors},
-        "errors": errors,
-    }
+                errors[name] = _error(error)["error"]
+        order = order[1:] + order[:1]  # rotate, so no step always runs first
+    medians = {n: statistics.median(t) for n, t in times.items() if t and n not in errors}
+    return medians, errors
 
 
 # One execution per step adds a sample to one of these; under SPMD, torch_xla times the
@@ -215,4 +224,39 @@ def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) 
         own_masks=variant in STACK_VARIANTS and sizes.get("dropout_pct", 0) > 0,
         trace_ms=statistics.median(traced) * 1e3,
     )
+    return result
+
+
+def plan_section(model_name: str, sizes: dict[str, int], steps: int) -> dict:
+    """The plan section for one model: uniform plans and planned ones, compiled and timed."""
+    try:
+        return _plan_section(model_name, sizes, steps)
+    except Exception as error:
+        return _error(error)
+
+
+def _plan_section(model_name: str, sizes: dict[str, int], steps: int) -> dict:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from ._plan import compare_plans, step_of
+
+    workload = build(model_name, sizes)
+    device = torch_xla.device()
+    model = workload.model.to(device)
+    args = tuple(a.to(device) for a in workload.args)
+    kwargs = {k: v.to(device) for k, v in workload.kwargs.items()}
+    torch_xla.sync()
+    xm.set_rng_state(SEED, str(device))
+    result = compare_plans(model, args, kwargs)
+    configs = {name: u["choices"] for name, u in result["uniform"].items()}
+    configs.update({f"plan {i}": p["choices"] for i, p in enumerate(result["planned"])})
+    step_ms, errors = interleaved_step_ms(
+        {name: step_of(model, args, kwargs, choices) for name, choices in configs.items()}, steps
+    )
+    for name, u in result["uniform"].items():
+        u["step_ms"] = step_ms.get(name)
+    for i, p in enumerate(result["planned"]):
+        p["step_ms"] = step_ms.get(f"plan {i}")
+    result["timing_errors"] = errors
     return result

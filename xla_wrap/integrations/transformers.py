@@ -33,8 +33,10 @@ from .. import _xla
 from .._checkpoint import _unpartial, checkpoint, owning_modules
 from .._errors import CheckpointTypeError, CheckpointValueError, describe
 from .._options import options_from
+from .._plan import CheckpointPlan
 from .._scanned import ScannedLayers, apply_scan, unscan
 from .._tree import Flat
+from .._wrapper import CheckpointWrapper, unwrap
 
 __all__ = [
     "gradient_checkpointing_disable",
@@ -49,7 +51,12 @@ _SAVED_USE_CACHE = "_xla_wrap_saved_use_cache"
 
 
 def gradient_checkpointing_enable(
-    model: nn.Module, *, every_n_layers: int = 1, scan: bool = False, **checkpoint_options: Any
+    model: nn.Module,
+    *,
+    every_n_layers: int = 1,
+    scan: bool = False,
+    plan: CheckpointPlan | None = None,
+    **checkpoint_options: Any,
 ) -> None:
     """Checkpoint the layers of a transformers ``PreTrainedModel`` with xla_wrap.
 
@@ -67,6 +74,10 @@ def gradient_checkpointing_enable(
             passes each layer's result to the next and nothing else qualify (docs/scan.md
             lists them); every layer is checkpointed, and only ``policy`` and
             ``offload_to_cpu`` apply.
+        plan: A :class:`xla_wrap.CheckpointPlan` for this model
+            (:func:`xla_wrap.plan_checkpointing`): each layer is checkpointed as the plan
+            chose, and ``every_n_layers`` is the special case of a plan that fully recomputes
+            every n-th layer. Takes no other option.
         **checkpoint_options: Options of :func:`xla_wrap.checkpoint_wrapper`
             (``preserve_rng_state``, ``use_reentrant``, ``policy``, ``offload_to_cpu``).
 
@@ -89,7 +100,21 @@ def gradient_checkpointing_enable(
         )
     options = options_from(api, checkpoint_options)
     pretrained: Any = model  # a PreTrainedModel, checked above
-    if scan:
+    if plan is not None:
+        if (
+            not isinstance(plan, CheckpointPlan)
+            or every_n_layers != 1
+            or scan
+            or checkpoint_options
+        ):
+            raise CheckpointValueError(
+                f"{api}: expected a CheckpointPlan as `plan` and nothing else (the plan chooses "
+                f"every layer's checkpoint), got plan={describe(plan)}, every_n_layers="
+                f"{every_n_layers}, scan={scan} and options {sorted(checkpoint_options)}. Pass "
+                "the plan alone."
+            )
+        plan.apply(pretrained)
+    elif scan:
         _scan_layers(api, pretrained, every_n_layers, checkpoint_options)
     else:
         function = functools.partial(checkpoint, **options.as_keywords())
@@ -118,6 +143,8 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
     for module in pretrained.modules():
         if isinstance(module, ScannedLayers):
             unscan(module)
+        elif isinstance(module, CheckpointWrapper):  # a plan's layers
+            unwrap(module)
     if hasattr(pretrained, _SAVED_USE_CACHE):
         pretrained.config.use_cache = getattr(pretrained, _SAVED_USE_CACHE)
         delattr(pretrained, _SAVED_USE_CACHE)
