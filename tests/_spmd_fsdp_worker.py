@@ -44,7 +44,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 )
 
 import xla_wrap
-from xla_wrap import fsdp, introspect, wrap
+from xla_wrap import _xla, fsdp, introspect, wrap
 
 introspect.enable_compile_dumps()
 xr.use_spmd()  # before any XLA tensor exists
@@ -87,6 +87,27 @@ def _auto(unit: Callable[..., nn.Module] | None) -> Callable[[Net], nn.Module]:
     return build
 
 
+def _planned(net: Net) -> nn.Module:
+    """Planned on the unsharded model for a budget halfway between the smallest reachable peak
+    and the unplanned one; FSDPv2's auto-wrapping builds each unit as the plan says."""
+    device = torch_xla.device()
+    net = net.to(device)
+    x = torch.zeros(BATCH, WIDTH).to(device)
+    unplanned = xla_wrap.plan_checkpointing(net, x, budget=1.0, progress=False)
+    try:
+        xla_wrap.plan_checkpointing(net, x, budget=1, progress=False)
+    except xla_wrap.BudgetUnreachableError as error:
+        smallest = error.smallest_peak_bytes
+    budget = (smallest + unplanned.unplanned_peak_bytes) // 2
+    plan = xla_wrap.plan_checkpointing(net, x, budget=budget, progress=False)
+    PLANS["fsdp(plan) helper"] = dict(plan.choices)
+    unit = fsdp.auto_wrapper_callable(fsdp_class=FSDPv2, plan=plan)
+    return _auto(unit)(net)
+
+
+# The choices of the planned compositions, by name.
+PLANS: dict[str, dict[str, str]] = {}
+
 COMPOSITIONS: dict[str, Callable[[Net], nn.Module]] = {
     "plain": _auto(None),
     # The helper: FSDPv2(checkpoint_wrapper(block)), recording the unit's output sharding.
@@ -100,6 +121,7 @@ COMPOSITIONS: dict[str, Callable[[Net], nn.Module]] = {
     "fsdp(checkpoint) by hand": _auto(
         lambda m, *a, **k: FSDPv2(xla_wrap.checkpoint_wrapper(m), *a, **k)
     ),
+    "fsdp(plan) helper": _planned,
 }
 
 
@@ -114,6 +136,8 @@ def run(build: Callable[[Net], nn.Module], mesh: Any) -> dict[str, Any]:
             lambda *_, i=index: calls[i].append(xla_wrap.is_recomputing())
         )
     model = build(net)
+    for record in calls:  # planning runs the blocks
+        record.clear()
     device = torch_xla.device()
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)).to(device)
     xs.mark_sharding(x, mesh, ("fsdp", None))
@@ -156,6 +180,7 @@ def run(build: Callable[[Net], nn.Module], mesh: Any) -> dict[str, Any]:
             else {}
         ),
         warnings=[str(w.message) for w in caught if "SPMD" in str(w.message)],
+        sharded=all(_xla.sharding(p) is not None for p in model.parameters()),
     )
     return result
 
@@ -171,7 +196,6 @@ class Scaled(nn.Module):
 
 def data_inputs(mesh: Any) -> dict[str, Any]:
     """A checkpoint whose inputs are program inputs (data, a mask-like constant): two steps."""
-    from xla_wrap import _xla
 
     device = torch_xla.device()
     block = Scaled().to(device)
@@ -217,6 +241,7 @@ def main(out: str) -> None:
             results[name] = {"error": traceback.format_exc()}
         with open(out, "w") as f:
             json.dump(results, f)
+    results["plans"] = PLANS
     results["data inputs"] = data_inputs(mesh)
     with open(out, "w") as f:
         json.dump(results, f)

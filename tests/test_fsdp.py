@@ -368,3 +368,40 @@ def test_torch_xla_transformer_auto_wrap_policy_after_checkpointing_makes_a_unit
     assert got["units"] == 4, "the checkpointed blocks did not become FSDP units"
     _assert_trains_like(plain, got)
     _assert_recomputed_once(plain, got, forward=4, checkpointed=3)  # the head is not a Block
+
+
+def _planned_units(net: Net, device: torch.device) -> nn.Module:
+    """FSDP's auto-wrapping builds every unit as a plan for the smallest reachable peak says."""
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+
+    net = net.to(device)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0)).to(device)
+    with pytest.raises(xla_wrap.BudgetUnreachableError) as raised:
+        xla_wrap.plan_checkpointing(net, x, budget=1, progress=False)
+    budget = raised.value.smallest_peak_bytes
+    plan = xla_wrap.plan_checkpointing(net, x, budget=budget, progress=False)
+    assert plan.checkpointed, "the smallest peak needs checkpointing"
+    net.plan = plan  # type: ignore[assignment]  # for the test to read
+    policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
+    return FSDP(
+        net, auto_wrap_policy=policy, auto_wrapper_callable=fsdp.auto_wrapper_callable(plan=plan)
+    )
+
+
+def test_units_built_from_a_plan_are_checkpointed_as_planned_and_train_like_fsdp(
+    xla_device: torch.device, reference: dict[str, tuple]
+) -> None:
+    _, expected_loss, expected_grads, _ = reference["auto"]
+    model, loss, grads, _ = _step(_planned_units, xla_device)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert len(grads) == len(expected_grads) > 0
+    for a, b in zip(expected_grads, grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    plan = next(vars(m)["plan"] for m in model.modules() if "plan" in vars(m))
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    assert len(blocks) == 3
+    for name, block in zip(plan.choices, blocks, strict=True):
+        checkpointed = plan.choices[name] != "none"
+        assert isinstance(block, xla_wrap.CheckpointWrapper) == checkpointed, name
+    with pytest.raises(TypeError, match=r"^xla_wrap.fsdp.auto_wrapper_callable: expected a Che"):
+        fsdp.auto_wrapper_callable(plan=plan, policy="dots_saveable")

@@ -113,3 +113,26 @@ def test_spmd_checkpoint_without_output_sharding_warns(results: dict[str, Any]) 
     for name in SHARDED:
         assert _ok(results, name)["warnings"] == []
         assert _ok(results, name)["peak_bytes"] < by_hand["peak_bytes"]
+
+
+def test_spmd_fsdp_units_built_from_a_plan_shard_train_like_fsdp_and_recompute_as_planned(
+    results: dict[str, Any],
+) -> None:
+    plain, planned = _ok(results, "plain"), _ok(results, "fsdp(plan) helper")
+    choices = results["plans"]["fsdp(plan) helper"]
+    assert list(choices) == [f"blocks.{i}" for i in range(DEPTH)]
+    assert any(c != "none" for c in choices.values()), "halfway down needs checkpointing"
+    assert planned["sharded"] and planned["recompiles"] == 0
+    assert planned["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    for param, grad in plain["grads"].items():
+        torch.testing.assert_close(
+            torch.tensor(planned["grads"][param]), torch.tensor(grad), rtol=1e-5, atol=1e-5
+        )
+    # A fully recomputed block runs again in backward; a kept one does not. (dots_saveable
+    # recomputes only what lies between the products, so the Linear's hook may not fire.)
+    for record, choice in zip(planned["calls"], choices.values(), strict=True):
+        if choice == "full":
+            assert record == [False, True]
+        elif choice == "none":
+            assert record == [False]
+    assert planned["peak_bytes"] < plain["peak_bytes"]

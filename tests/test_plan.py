@@ -41,6 +41,7 @@ def _cost(name: str, kept: dict[str, int], flops: dict[str, int]) -> BlockCost:
         recompute_flops=flops,
         offloaded_bytes={c: (kept[NONE] if c == OFFLOAD else 0) for c in kept},
         working_bytes=kept[NONE],
+        choices=tuple(kept),
     )
 
 
@@ -227,11 +228,12 @@ def test_a_budget_nothing_meets_names_the_smallest_reachable_peak(
     xla_device: torch.device,
 ) -> None:
     model, args, kwargs = _on_device("uneven", 0, xla_device)
-    with pytest.raises(xla_wrap.CheckpointValueError) as raised:
+    with pytest.raises(xla_wrap.BudgetUnreachableError) as raised:
         xla_wrap.plan_checkpointing(model, *args, budget=1000, progress=False, **kwargs)
     message = str(raised.value)
     assert message.startswith("xla_wrap.plan_checkpointing: no plan fits a budget of 0.0 MiB")
-    reachable = int(re.search(r"smallest reachable peak is [\d.]+ MiB \((\d+) bytes", message)[1])
+    reachable = raised.value.smallest_peak_bytes
+    assert f"smallest reachable peak is {reachable / 2**20:.1f} MiB ({reachable} bytes" in message
     # No higher than every block fully recomputed, compiled here on its own...
     for block in model.blocks:
         xla_wrap.checkpoint_wrapper(block)

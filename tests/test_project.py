@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,9 +111,28 @@ def test_scan_stack_example_smallest_configuration() -> None:
         assert curve[-1] < curve[0]
 
 
+@pytest.mark.subprocess
+@pytest.mark.xla
+def test_plan_budget_example_smallest_configuration() -> None:
+    pytest.importorskip("torch_xla")
+    done = _run_example(
+        "plan_budget.py", "--budget=0.8", "--blocks=2", "--dim=16", "--seq=32", "--batch=4",
+        "--steps=2",
+    )  # fmt: skip
+    assert "xla_wrap.plan_checkpointing: compile 1, the unplanned step" in done.stderr
+    budget, peak = re.search(
+        r"budget ([\d.]+) MiB; compiled peak ([\d.]+) MiB", done.stdout
+    ).groups()
+    assert float(peak) <= float(budget)
+    assert re.search(r"^blocks\.0\s+(none|dots_saveable|full)\s", done.stdout, re.MULTILINE)
+    difference = float(done.stdout.split("largest relative loss difference: ")[1].split()[0])
+    assert difference < 1e-5  # the plan trains as the unplanned model does, Dropout included
+
+
 @pytest.mark.parametrize(
     ("example", "option"),
     [
+        ("plan_budget.py", "--budget"),
         ("conv_stack.py", "--blocks"),
         ("fsdp_transformer.py", "--layers"),
         ("digits_barrier.py", "--epochs"),

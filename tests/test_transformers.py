@@ -261,3 +261,48 @@ def test_scanned_transformers_layers_give_the_loops_loss_and_gradients(
 def test_scan_refuses_options_it_cannot_apply() -> None:
     with pytest.raises(xla_wrap.CheckpointValueError, match="every_n_layers=2"):
         xla_hf.gradient_checkpointing_enable(llama(), scan=True, every_n_layers=2)
+
+
+@pytest.mark.xla
+def test_a_plan_through_the_drop_in_checkpoints_its_layers_and_trains_bitwise(
+    xla_device: torch.device,
+) -> None:
+    plain = _plain(lambda: llama(layers=4, width=64))
+    on_xla = copy.deepcopy(plain).to(xla_device)
+    ids = _ids(xla_device)
+
+    def plan_for(budget: int | float) -> xla_wrap.CheckpointPlan:
+        return xla_wrap.plan_checkpointing(
+            on_xla, ids, budget=budget, labels=ids, loss=lambda out: out.loss, progress=False
+        )
+
+    unplanned = plan_for(1.0).unplanned_peak_bytes
+    with pytest.raises(xla_wrap.BudgetUnreachableError) as raised:
+        plan_for(1)
+    plan = plan_for((raised.value.smallest_peak_bytes + unplanned) // 2)
+    assert list(plan.choices) == [f"model.layers.{i}" for i in range(4)]
+    assert plan.checkpointed and plan.peak_bytes <= plan.budget_bytes
+    twin = copy.deepcopy(plain)
+    xla_hf.gradient_checkpointing_enable(twin, plan=plan)
+    for name, choice in plan.choices.items():
+        layer = twin.get_submodule(name)
+        assert isinstance(layer, xla_wrap.CheckpointWrapper) == (choice != "none"), name
+    _assert_trains_bitwise_alike(plain, twin)
+    xla_hf.gradient_checkpointing_disable(twin)
+    assert not any(isinstance(m, xla_wrap.CheckpointWrapper) for m in twin.modules())
+    with pytest.raises(ValueError, match=r"expected a CheckpointPlan as `plan` and nothing else"):
+        xla_hf.gradient_checkpointing_enable(twin, plan=plan, every_n_layers=2)
+
+
+def test_every_n_layers_is_the_plan_that_fully_recomputes_every_nth_layer() -> None:
+    torch.manual_seed(0)
+    model = gpt2(layers=4).train()
+    plan = xla_wrap.CheckpointPlan(
+        choices={f"transformer.h.{i}": "full" if i % 2 == 0 else "none" for i in range(4)},
+        budget_bytes=0, peak_bytes=0, predicted_peak_bytes=0, recompute_flops=0,
+        unplanned_peak_bytes=0, unplanned_flops=0,
+    )  # fmt: skip
+    xla_hf.gradient_checkpointing_enable(model, plan=plan)
+    calls = _record_calls(model)
+    _step(model, _ids())
+    assert calls == [[False, True], [False], [False, True], [False]]  # as every_n_layers=2

@@ -17,6 +17,7 @@ from ._barrier import optimization_barrier as optimization_barrier
 from ._checkpoint import checkpoint as checkpoint
 from ._checkpoint import checkpoint_sequential as checkpoint_sequential
 from ._errors import BarriersStrippedWarning as BarriersStrippedWarning
+from ._errors import BudgetUnreachableError as BudgetUnreachableError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointTypeError as CheckpointTypeError
 from ._errors import CheckpointValueError as CheckpointValueError
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BarriersStrippedWarning",
+    "BudgetUnreachableError",
     "CheckpointError",
     "CheckpointOptions",
     "CheckpointPlan",

@@ -25,6 +25,15 @@ class CheckpointError(XlaWrapError, RuntimeError):
     recomputation in backward did not reproduce the forward)."""
 
 
+class BudgetUnreachableError(CheckpointValueError):
+    """No checkpointing plan fits the memory budget; ``smallest_peak_bytes`` is the least
+    compiled peak that the planner reached, the budget to ask for instead."""
+
+    def __init__(self, message: str, smallest_peak_bytes: int) -> None:
+        super().__init__(message)
+        self.smallest_peak_bytes = smallest_peak_bytes
+
+
 class BarriersStrippedWarning(UserWarning):
     """Checkpointing runs on XLA:CPU while XLA deletes optimization barriers: it will recompute
     but save no memory there."""

@@ -44,6 +44,8 @@ class BlockCost:
         recompute_flops: Per choice, the FLOPs of the dots and convolutions backward recomputes.
         offloaded_bytes: Per choice, the bytes sent to host memory and back.
         working_bytes: The bytes the block holds while backward differentiates it.
+        choices: The choices a plan may make for it (the costs may know more: the planner
+            measures every block fully recomputed, to calibrate).
     """
 
     name: str
@@ -51,10 +53,7 @@ class BlockCost:
     recompute_flops: Mapping[str, int]
     offloaded_bytes: Mapping[str, int]
     working_bytes: int
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return tuple(c for c in CHOICES if c in self.kept_bytes)
+    choices: tuple[str, ...]
 
 
 def modelled_peak(costs: Sequence[BlockCost], choices: Sequence[str]) -> int:

@@ -30,7 +30,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import _hlo, _xla, introspect
-from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
+from ._errors import (
+    BudgetUnreachableError,
+    CheckpointError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    describe,
+)
 from ._plan import CheckpointPlan, options_for
 from ._plan_solver import (
     DOTS,
@@ -63,6 +69,7 @@ def plan_checkpointing(
     budget: int | float,
     candidates: Policy | None = None,
     loss: Callable[[Any], torch.Tensor] | None = None,
+    choices: Sequence[str] | None = None,
     progress: bool = True,
     **example_kwargs: Any,
 ) -> CheckpointPlan:
@@ -90,6 +97,9 @@ def plan_checkpointing(
             ``ModuleList`` or ``Sequential``, with parameters).
         loss: Turns the model's output into the scalar to differentiate; by default the sum of
             its floating-point tensors.
+        choices: The choices open to every block besides ``"none"``, among
+            ``"dots_saveable"``, ``"full"`` and ``"offload"``; by default all of them that the
+            backend supports. ``choices=("full",)`` plans whole-block recomputation only.
         progress: Print what it compiles, and how long that took, to stderr.
         **example_kwargs: Its keyword inputs.
 
@@ -98,8 +108,9 @@ def plan_checkpointing(
 
     Raises:
         CheckpointTypeError: If an argument has the wrong type.
-        CheckpointValueError: If the budget is below the smallest reachable peak (the message
-            names it), no candidate is found, or a candidate is nested in another, already
+        BudgetUnreachableError: If the budget is below the smallest reachable peak (the
+            message names it, ``smallest_peak_bytes`` holds it).
+        CheckpointValueError: If no candidate is found, or a candidate is nested in another, already
             checkpointed, scanned or called more than once.
         CheckpointError: If the step cannot be measured here (no compile dumps, barriers
             stripped on XLA:CPU).
@@ -111,6 +122,7 @@ def plan_checkpointing(
     """
     device = _check_model(model)
     _check_budget(budget)
+    open_choices = _open_choices(choices)
     blocks = _candidates(model, candidates)
     loss_fn = _summed if loss is None else _checked_loss(loss)
     say = _Progress(progress)
@@ -122,7 +134,7 @@ def plan_checkpointing(
             f"{len(calls)} candidate blocks ({_classes(calls.values())}); tracing each choice"
             + (f" ({len(not_called)} never called: left as they are)" if not_called else "")
         )
-        costs = _block_costs(calls)
+        costs = _block_costs(calls, open_choices)
         unplanned = step.measure({}, "the unplanned step")
         budget_bytes = _budget_bytes(budget, unplanned.peak_bytes)
         names = [cost.name for cost in costs]
@@ -148,10 +160,15 @@ def plan_checkpointing(
             tuple([NONE] * len(costs)): unplanned,
             tuple(all_full): full,
         }
+        allowed = [c for c in measured if set(c) <= set(open_choices)]  # all full may not be
         lowest = lowest_choices(costs)
-        if budget_bytes < full.peak_bytes and model_of.predict(lowest) < full.peak_bytes:
+        if lowest not in measured and (
+            tuple(all_full) not in allowed
+            or (budget_bytes < full.peak_bytes and model_of.predict(lowest) < full.peak_bytes)
+        ):
             measured[lowest] = step.measure(choices_of(lowest), "the lowest modelled peak")
-        reachable = min(m.peak_bytes for m in measured.values())
+            allowed.append(lowest)
+        reachable = min(measured[c].peak_bytes for c in allowed)
         if budget_bytes < reachable:
             _raise_unreachable(budget_bytes, reachable, unplanned.peak_bytes)
         correction = 0
@@ -167,12 +184,17 @@ def plan_checkpointing(
             )
             correction = measured[chosen].peak_bytes - predicted
         fitting = [
-            (m.flops, m.peak_bytes, c) for c, m in measured.items() if m.peak_bytes <= budget_bytes
+            (m.flops, m.peak_bytes, c)
+            for c, m in measured.items()
+            if m.peak_bytes <= budget_bytes and set(c) <= set(open_choices)
         ]
         if fitting:
             chosen = min(fitting, key=lambda f: (f[0], objective(costs, f[2]), f[1]))[2]
         else:
-            chosen = min(measured, key=lambda c: measured[c].peak_bytes)
+            chosen = min(
+                (c for c in measured if set(c) <= set(open_choices)),
+                key=lambda c: measured[c].peak_bytes,
+            )
             warnings.warn(
                 f"{_API}: no plan compiled within the budget of {budget_bytes / _MIB:.1f} MiB "
                 f"after {step.compiles} compiles; returning the lowest compiled peak, "
@@ -332,11 +354,12 @@ def _budget_bytes(budget: int | float, unplanned: int) -> int:
 
 
 def _raise_unreachable(budget: int, reachable: int, unplanned: int) -> None:
-    raise CheckpointValueError(
+    raise BudgetUnreachableError(
         f"{_API}: no plan fits a budget of {budget / _MIB:.1f} MiB: the smallest reachable "
         f"peak is {reachable / _MIB:.1f} MiB ({reachable} bytes, the least of the steps compiled), "
         f"and the unplanned step peaks at {unplanned / _MIB:.1f} MiB. Raise the budget to at "
-        "least that, let more blocks be candidates (`candidates=`), or shrink the batch."
+        "least that, let more blocks be candidates (`candidates=`), or shrink the batch.",
+        reachable,
     )
 
 
@@ -427,28 +450,51 @@ def _capture_calls(
     return calls  # in call order
 
 
-def _block_costs(calls: Mapping[str, _Call]) -> list[BlockCost]:
-    open_choices = (NONE, DOTS, FULL) + ((OFFLOAD,) if _xla.host_offload_supported() else ())
+def _open_choices(choices: Sequence[str] | None) -> tuple[str, ...]:
+    supported = (DOTS, FULL) + ((OFFLOAD,) if _xla.host_offload_supported() else ())
+    if choices is None:
+        return (NONE, *supported)
+    if isinstance(choices, str) or not all(isinstance(c, str) for c in choices):
+        raise CheckpointTypeError(
+            f"{_API}: expected a sequence of choice names as `choices`, got "
+            f'{describe(choices)}. Example: `choices=("full",)`.'
+        )
+    unknown = [c for c in choices if c not in (NONE, DOTS, FULL, OFFLOAD)]
+    if unknown or not choices:
+        raise CheckpointValueError(
+            f"{_API}: expected `choices` among {', '.join((DOTS, FULL, OFFLOAD))}, got "
+            f'{list(choices)}. A block may always be left as it is ("none").'
+        )
+    if OFFLOAD in choices and OFFLOAD not in supported:
+        raise CheckpointValueError(
+            f'{_API}: "offload" needs a backend that places buffers in host memory (TPU, '
+            "GPU); this one cannot (docs/offload.md). Leave it out of `choices`."
+        )
+    return (NONE, *(c for c in (DOTS, FULL, OFFLOAD) if c in choices))
+
+
+def _block_costs(calls: Mapping[str, _Call], open_choices: tuple[str, ...]) -> list[BlockCost]:
+    traced = (*open_choices, FULL) if FULL not in open_choices else open_choices
     known: dict[object, tuple[dict[str, int], dict[str, int]]] = {}
     costs = []
     for name, call in calls.items():
         key = _signature(call)
         if key not in known:
             kept, flops = {}, {}
-            for choice in open_choices:
+            for choice in traced:
                 with _applied({name: call.module}, {name: choice}):
                     kept[choice], flops[choice] = _traced_cost(call)
             known[key] = kept, flops
         kept, flops = known[key]
         base = flops[NONE]
-        offloaded = {c: (kept[NONE] if c == OFFLOAD else 0) for c in kept}
         costs.append(
             BlockCost(
                 name=name,
                 kept_bytes={c: (0 if c == OFFLOAD else b) for c, b in kept.items()},
                 recompute_flops={c: max(0, f - base) for c, f in flops.items()},
-                offloaded_bytes=offloaded,
+                offloaded_bytes={c: (kept[NONE] if c == OFFLOAD else 0) for c in kept},
                 working_bytes=kept[NONE],
+                choices=open_choices,
             )
         )
     return costs
