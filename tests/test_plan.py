@@ -159,16 +159,17 @@ def test_plans_fit_their_budgets_and_recompute_no_more_than_the_cheapest_uniform
 
 
 @pytest.fixture(scope="module")
-def planned(xla_device: torch.device) -> tuple[xla_wrap.CheckpointPlan, nn.Module]:
+def planned(xla_device: torch.device) -> tuple[xla_wrap.CheckpointPlan, nn.Module, tuple]:
     model, args, kwargs = _on_device("uneven", 20, xla_device)
-    return xla_wrap.plan_checkpointing(model, *args, budget=0.9, progress=False, **kwargs), model
+    plan = xla_wrap.plan_checkpointing(model, *args, budget=0.9, progress=False, **kwargs)
+    return plan, model, args
 
 
 @pytest.mark.xla
 def test_a_plan_reports_its_choices_and_the_figures_it_was_compiled_with(
-    planned: tuple[xla_wrap.CheckpointPlan, nn.Module],
+    planned: tuple[xla_wrap.CheckpointPlan, nn.Module, tuple],
 ) -> None:
-    plan, _ = planned
+    plan, _, _ = planned
     assert list(plan.choices) == [f"blocks.{i}" for i in range(4)]
     assert set(plan.choices.values()) <= {NONE, DOTS, FULL}  # XLA:CPU offloads nothing
     assert plan.checkpointed, "a budget of 0.9 needs some checkpointing"
@@ -185,9 +186,9 @@ def test_a_plan_reports_its_choices_and_the_figures_it_was_compiled_with(
 
 @pytest.mark.xla
 def test_applying_a_plan_checkpoints_exactly_its_blocks_and_keeps_gradients_bitwise(
-    planned: tuple[xla_wrap.CheckpointPlan, nn.Module],
+    planned: tuple[xla_wrap.CheckpointPlan, nn.Module, tuple],
 ) -> None:
-    plan, model = planned
+    plan, model, _ = planned
     assert not any(isinstance(m, xla_wrap.CheckpointWrapper) for m in model.modules())
     reference = copy.deepcopy(model).cpu()
     applied = plan.apply(copy.deepcopy(reference))
@@ -207,6 +208,19 @@ def test_applying_a_plan_checkpoints_exactly_its_blocks_and_keeps_gradients_bitw
         grads.append([p.grad for p in net.parameters()])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.xla
+def test_choices_restrict_what_a_plan_may_choose(
+    planned: tuple[xla_wrap.CheckpointPlan, nn.Module, tuple],
+) -> None:
+    plan, model, args = planned
+    full_only = xla_wrap.plan_checkpointing(
+        model, *args, budget=plan.budget_bytes, choices=("full",), progress=False
+    )
+    assert set(full_only.choices.values()) <= {NONE, FULL} and full_only.checkpointed
+    assert full_only.peak_bytes <= plan.budget_bytes
+    assert full_only.recompute_flops >= plan.recompute_flops  # fewer choices: no cheaper
 
 
 @pytest.mark.xla
@@ -282,6 +296,10 @@ def test_bad_input_is_refused_with_what_to_do(xla_device: torch.device) -> None:
                           (1.5, ValueError), (-5, ValueError)]:  # fmt: skip
         with pytest.raises(error, match=api + r"expected .*`budget`"):
             xla_wrap.plan_checkpointing(model, xx, budget=budget, progress=False)
+    for choices, error in [("full", TypeError), (("bogus",), ValueError), ((), ValueError),
+                           (("offload",), ValueError)]:  # fmt: skip
+        with pytest.raises(error, match=api + r'(expected .*`choices`|"offload" needs)'):
+            xla_wrap.plan_checkpointing(model, xx, budget=0.5, choices=choices)
     with pytest.raises(xla_wrap.CheckpointValueError, match=api + "candidate 'blocks.0' is called"):
         xla_wrap.plan_checkpointing(model, xx, budget=0.5, progress=False)
     with pytest.raises(xla_wrap.CheckpointTypeError, match=api + "expected an xla_wrap.wrap"):
