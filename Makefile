@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[xla,fairscale,bench,hf,trl,lightning,examples,test,dev]'
 	touch $(STAMP)
 
+# Two processes, each test file in one of them (its module fixtures share compiled programs).
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Every checkpointing tool side by side on XLA:CPU (about 6 minutes on 2 cores).
 demo: venv

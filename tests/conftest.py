@@ -24,9 +24,14 @@ import torch
 
 _DUMP_DIR = tempfile.mkdtemp(prefix="xla_wrap_tests_dump_")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# A dump directory inherited from a parent pytest (pytest-xdist's workers inherit the
+# controller's environment) would mix two processes' programs: each process dumps to its own.
+_INHERITED = [
+    f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_dump_to")
+]
 os.environ["XLA_FLAGS"] = " ".join(
     [
-        os.environ.get("XLA_FLAGS", ""),
+        *_INHERITED,
         "--xla_disable_hlo_passes=cse_barrier_expander",
         "--xla_cpu_enable_concurrency_optimized_scheduler=true",
         f"--xla_dump_to={_DUMP_DIR}",

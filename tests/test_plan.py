@@ -4,6 +4,7 @@ uniform plan, applying a plan, and the errors."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import re
 from typing import Any
@@ -118,7 +119,10 @@ _TINY = {
 }
 
 
+@functools.cache
 def _on_device(name: str, dropout_pct: int, device: torch.device) -> tuple[nn.Module, tuple, dict]:
+    """One model per configuration for the whole module: planning a model again reuses the
+    steps it compiled for it (tests must leave it as they found it)."""
     workload = build(name, dict(_TINY[name], dropout_pct=dropout_pct))
     model = workload.model.to(device)
     args = tuple(a.to(device) for a in workload.args)

@@ -19,6 +19,8 @@ import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import introspect
 
+from models import sync
+
 WIDTH = 16
 DEPTH = 4
 POLICIES = {
@@ -63,6 +65,7 @@ def _run(
     y.pow(2).mean().backward()
     out = {"y": y.detach(), "x": x.grad, "scale": scale.grad}
     out.update({name: p.grad for name, p in layers.named_parameters()})
+    sync(device)  # one program for all: each .cpu() would compile its own
     return {k: v.cpu() for k, v in out.items()}
 
 
@@ -243,6 +246,7 @@ def test_any_carry_structure_round_trips(
         out = xla_wrap.scan_layers(stack, carry) if scanned else _loop(stack, carry)
         leaves = torch.utils._pytree.tree_leaves(out)
         sum(t.float().sum() for t in leaves).backward()
+        sync(device)  # one program, not one per .cpu()
         results.append((torch.utils._pytree.tree_map(lambda t: t.cpu(), out), a.grad.cpu()))
     (expected, expected_grad), (got, got_grad) = results
     assert torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(expected)
@@ -284,6 +288,7 @@ def test_apply_scan_keeps_names_and_state_and_trains_as_the_loop(xla_device: tor
         x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(2)).to(device)
         scale = torch.tensor(0.5).to(device)
         m(x, scale).backward()
+        sync(device)  # one program, not one per .cpu()
         grads.append({n: p.grad.cpu() for n, p in m.named_parameters()})
     for name, expected in grads[0].items():
         torch.testing.assert_close(grads[1][name], expected, rtol=1e-5, atol=1e-6, msg=name)

@@ -18,7 +18,6 @@ import itertools
 import math
 import sys
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -138,10 +137,10 @@ def plan_checkpointing(
         unplanned = step.measure({}, "the unplanned step")
         budget_bytes = _budget_bytes(budget, unplanned.peak_bytes)
         names = [cost.name for cost in costs]
-        choices_of: Callable[[Sequence[str]], dict[str, str]] = lambda chosen: {  # noqa: E731
-            **dict(zip(names, chosen, strict=True)),
-            **{name: NONE for name in not_called},
-        }
+
+        def choices_of(chosen: Sequence[str]) -> dict[str, str]:
+            return {**dict(zip(names, chosen, strict=True)), **dict.fromkeys(not_called, NONE)}
+
         if budget_bytes >= unplanned.peak_bytes or not costs:
             if budget_bytes < unplanned.peak_bytes:
                 _raise_unreachable(budget_bytes, unplanned.peak_bytes, unplanned.peak_bytes)
@@ -153,17 +152,15 @@ def plan_checkpointing(
                 unplanned,
                 unplanned.peak_bytes,
             )
-        all_full = [FULL] * len(costs)
+        all_full = (FULL,) * len(costs)
         full = step.measure(choices_of(all_full), "every candidate fully recomputed")
         model_of = _Calibrated(costs, unplanned.peak_bytes, full.peak_bytes)
-        measured: dict[tuple[str, ...], _Measured] = {
-            tuple([NONE] * len(costs)): unplanned,
-            tuple(all_full): full,
-        }
-        allowed = [c for c in measured if set(c) <= set(open_choices)]  # all full may not be
+        # Compiled plans by their choices; a plan may return only those within `choices`.
+        measured = {(NONE,) * len(costs): unplanned, all_full: full}
+        allowed = [c for c in measured if set(c) <= set(open_choices)]
         lowest = lowest_choices(costs)
         if lowest not in measured and (
-            tuple(all_full) not in allowed
+            all_full not in allowed
             or (budget_bytes < full.peak_bytes and model_of.predict(lowest) < full.peak_bytes)
         ):
             measured[lowest] = step.measure(choices_of(lowest), "the lowest modelled peak")
@@ -171,6 +168,7 @@ def plan_checkpointing(
         reachable = min(measured[c].peak_bytes for c in allowed)
         if budget_bytes < reachable:
             _raise_unreachable(budget_bytes, reachable, unplanned.peak_bytes)
+        # Solve, compile, shift the model by what it missed; a bounded number of times.
         correction = 0
         for _ in range(MAX_VERIFY_COMPILES):
             chosen = model_of.solve(budget_bytes - correction)
@@ -182,28 +180,14 @@ def plan_checkpointing(
                 f"the plan for {budget_bytes / _MIB:.1f} MiB ({_summary(chosen)}; predicted "
                 f"{predicted / _MIB:.1f} MiB)",
             )
+            allowed.append(chosen)
             correction = measured[chosen].peak_bytes - predicted
-        fitting = [
-            (m.flops, m.peak_bytes, c)
-            for c, m in measured.items()
-            if m.peak_bytes <= budget_bytes and set(c) <= set(open_choices)
-        ]
-        if fitting:
-            chosen = min(fitting, key=lambda f: (f[0], objective(costs, f[2]), f[1]))[2]
-        else:
-            chosen = min(
-                (c for c in measured if set(c) <= set(open_choices)),
-                key=lambda c: measured[c].peak_bytes,
-            )
-            warnings.warn(
-                f"{_API}: no plan compiled within the budget of {budget_bytes / _MIB:.1f} MiB "
-                f"after {step.compiles} compiles; returning the lowest compiled peak, "
-                f"{measured[chosen].peak_bytes / _MIB:.1f} MiB. The cost model misses this "
-                "model's peak by more than it corrects: lower the budget a little and plan "
-                "again, or see docs/planning.md (Limits).",
-                UserWarning,
-                stacklevel=2,
-            )
+        # Never empty: the plan that reached the smallest peak fits.
+        fitting = [c for c in allowed if measured[c].peak_bytes <= budget_bytes]
+        chosen = min(
+            fitting,
+            key=lambda c: (measured[c].flops, objective(costs, c), measured[c].peak_bytes),
+        )
         plan = step.plan(
             choices_of(chosen),
             costs,
