@@ -4,7 +4,7 @@ and how to apply it."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -19,6 +19,15 @@ from ._wrapper import checkpoint_in_place
 M = TypeVar("M", bound=nn.Module)
 
 _MIB = 2**20
+
+
+def summarize(choices: Iterable[str]) -> str:
+    """``"2 full, 3 dots_saveable, 1 none"``: how many blocks take each choice, in the order
+    the choices first appear."""
+    counts: dict[str, int] = {}
+    for choice in choices:
+        counts[choice] = counts.get(choice, 0) + 1
+    return ", ".join(f"{n} {choice}" for choice, n in counts.items()) or "no blocks"
 
 
 def options_for(api: str, choice: str) -> CheckpointOptions | None:
@@ -121,12 +130,8 @@ class CheckpointPlan:
             for row in rows
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        counts: dict[str, int] = {}
-        for choice in self.choices.values():
-            counts[choice] = counts.get(choice, 0) + 1
-        summary = ", ".join(f"{n} {choice}" for choice, n in counts.items())
         lines += [
-            f"blocks: {summary or 'none'}",
+            f"blocks: {summarize(self.choices.values())}",
             f"budget {self.budget_bytes / _MIB:.1f} MiB; compiled peak "
             f"{self.peak_bytes / _MIB:.1f} MiB (predicted {self.predicted_peak_bytes / _MIB:.1f}, "
             f"unplanned {self.unplanned_peak_bytes / _MIB:.1f})",

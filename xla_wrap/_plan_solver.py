@@ -31,7 +31,6 @@ DOTS = "dots_saveable"
 FULL = "full"
 #: Keep every activation in host memory; recompute nothing (backends with host offload only).
 OFFLOAD = "offload"
-CHOICES = (NONE, DOTS, FULL, OFFLOAD)
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,8 @@ def objective(costs: Sequence[BlockCost], choices: Sequence[str]) -> Objective:
 
 
 def solve(costs: Sequence[BlockCost], limit: int) -> tuple[str, ...] | None:
-    """The choices of least :func:`objective` whose :func:`modelled_peak` is at most ``limit``;
-    among equals, the lowest peak. None if no choices fit."""
+    """The choices of least :func:`objective` whose :func:`modelled_peak` is at most ``limit``
+    (ties broken by peak among the states the pruning kept); None if no choices fit."""
     # state: kept bytes so far -> (objective, peak so far, choices)
     front: list[tuple[int, Objective, int, tuple[str, ...]]] = [(0, (0, 0, 0), 0, ())]
     for cost in costs:

@@ -36,7 +36,7 @@ from ._errors import (
     CheckpointValueError,
     describe,
 )
-from ._plan import CheckpointPlan, options_for
+from ._plan import CheckpointPlan, options_for, summarize
 from ._plan_solver import (
     DOTS,
     FULL,
@@ -177,7 +177,7 @@ def plan_checkpointing(
             predicted = model_of.predict(chosen)
             measured[chosen] = step.measure(
                 choices_of(chosen),
-                f"the plan for {budget_bytes / _MIB:.1f} MiB ({_summary(chosen)}; predicted "
+                f"the plan for {budget_bytes / _MIB:.1f} MiB ({summarize(chosen)}; predicted "
                 f"{predicted / _MIB:.1f} MiB)",
             )
             allowed.append(chosen)
@@ -197,7 +197,7 @@ def plan_checkpointing(
             model_of.predict(chosen),
         )
         say(
-            f"done: {_summary(chosen)}; peak {plan.peak_bytes / _MIB:.1f} MiB, FLOPs "
+            f"done: {summarize(chosen)}; peak {plan.peak_bytes / _MIB:.1f} MiB, FLOPs "
             f"{plan.flops_ratio:.3f}x of the unplanned step"
         )
         return plan
@@ -227,8 +227,7 @@ def _check_model(model: object) -> torch.device:
             "`xla_wrap.introspect.enable_compile_dumps()` before the first XLA device is "
             "created, or start Python with XLA_FLAGS=--xla_dump_to=DIR."
         )
-    runtime = _xla._loaded("torch_xla.runtime")
-    if runtime is not None and _xla.barrier_stripping_active(runtime.device_type()):
+    if _xla._barriers_stripped_here():
         raise CheckpointError(
             f"{_API}: expected a backend that keeps optimization barriers, got XLA:CPU with "
             f"{_xla.BARRIER_STRIPPING_PASS} on: every plan would show the unplanned peak. "
@@ -655,7 +654,7 @@ class _Step:
         unplanned: _Measured,
         predicted: int,
     ) -> CheckpointPlan:
-        plan = CheckpointPlan(
+        return CheckpointPlan(
             choices=choices,
             budget_bytes=budget,
             peak_bytes=measured.peak_bytes,
@@ -667,7 +666,6 @@ class _Step:
             compiles=self.compiles,
             _names=weakref.WeakKeyDictionary({m: n for n, m in self.modules.items()}),
         )
-        return plan
 
 
 # What each model's steps compiled to, by _Step._key; forgotten with the model.
@@ -717,8 +715,3 @@ class _Progress:
 def _classes(calls: Any) -> str:
     names = sorted({type(call.module).__name__ for call in calls})
     return ", ".join(names) or "none"
-
-
-def _summary(chosen: Sequence[str]) -> str:
-    counts = {c: sum(x == c for x in chosen) for c in dict.fromkeys(chosen)}
-    return ", ".join(f"{n} {c}" for c, n in counts.items()) or "no blocks"

@@ -111,11 +111,3 @@ def step_of(
         return loss
 
     return step
-
-
-def summary(choices: dict[str, str]) -> str:
-    """``"2 full, 3 dots_saveable, 1 none"`` in the order the blocks run."""
-    counts: dict[str, int] = {}
-    for choice in choices.values():
-        counts[choice] = counts.get(choice, 0) + 1
-    return ", ".join(f"{n} {c}" for c, n in counts.items())

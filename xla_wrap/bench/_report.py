@@ -102,7 +102,7 @@ def render_table(runs: list[dict[str, Any]], caption: str = "") -> str:
 def render_plan_table(sections: list[dict[str, Any]]) -> str:
     """The plan section: per model, the uniform plans, then each budget's plan next to the
     cheapest uniform plan that fits the same budget."""
-    from ._plan import summary
+    from .._plan import summarize
 
     rows = [
         ("model", "plan", "budget MiB", "peak MiB", "fits", "FLOPs vs none", "step vs none",
@@ -127,7 +127,7 @@ def render_plan_table(sections: list[dict[str, Any]]) -> str:
         for p in section["planned"]:
             cheapest = p["cheapest_uniform"]
             rows.append((
-                section["model"], f"planned: {summary(p['choices'])}",
+                section["model"], f"planned: {summarize(p['choices'].values())}",
                 f"{p['budget_bytes'] / 2**20:.1f}", f"{p['peak_bytes'] / 2**20:.1f}",
                 "yes" if p["peak_bytes"] <= p["budget_bytes"] else "NO",
                 ratio(p["flops"], none["flops"]), ratio(p.get("step_ms"), none.get("step_ms")),
