@@ -29,7 +29,8 @@ masks. The stream differs from the unscanned loop's (docs/scan.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -609,18 +610,27 @@ def _backward_loop(
     wanted: Sequence[Sequence[bool]],
 ) -> list[torch.Tensor | None]:
     """The backward While loop, last layer first: recompute each layer from its input carry
-    and differentiate it. The constants' gradients accumulate in the loop state, the layers'
-    come out stacked. Returns the gradients of the Function's inputs (None where unwanted)."""
+    and differentiate it. The constants' gradients accumulate in the loop state. Returns the
+    gradients of the Function's inputs (None where unwanted).
+
+    The stacked parameters that need gradients ride in the loop state instead of being sliced
+    by the scan: each iteration reads its layer's slice and then overwrites it with that
+    layer's gradient, so the gradients take the stacked copy's memory instead of a second
+    stack of the same size (XLA updates a loop-state slice in place)."""
     from torch_xla.experimental.scan import _scan_impl_pytree
 
     want_carry, want_const, want_layer = wanted
     carry_grad = [_floating(t) for t in carries]  # the chain of carries, wanted or not
+    read_only = [t for t, w in zip(stacked, want_layer, strict=True) if not w]
+    take, overwrite = _layer_slice_ops()
 
     dtypes = [t.dtype for t in constants], [t.dtype for t in stacked], [t.dtype for t in carries]
 
     def body(state: Any, layer: Any) -> Any:
-        grad_out, consts, acc = state
-        params, carry_in, kept_here = layer
+        grad_out, consts, acc, grad_stacks, index = state
+        fixed, carry_in, kept_here = layer
+        slices, fixed_it = iter([take(s, index) for s in grad_stacks]), iter(fixed)
+        params = [next(slices) if w else next(fixed_it) for w in want_layer]
         consts, params = _as(consts, dtypes[0]), _as(params, dtypes[1])
         carry_in = _as(carry_in, dtypes[2])
         with scan.body_state(), recomputing():
@@ -649,13 +659,18 @@ def _backward_loop(
         grad_consts = [next(it) for g in want_const if g]
         grad_layer = [next(it) for g in want_layer if g]
         acc = [a + g for a, g in zip(acc, grad_consts, strict=True)]
-        return (grad_in, list(consts), acc), grad_layer
+        grad_stacks = [
+            overwrite(s, g.to(s.dtype), index) for s, g in zip(grad_stacks, grad_layer, strict=True)
+        ]
+        return (grad_in, list(consts), acc, grad_stacks, index - 1), []
 
     accumulators = [torch.zeros_like(c) for c, g in zip(constants, want_const, strict=True) if g]
-    (grad_init, _, acc), grad_layers = _scan_impl_pytree(
+    grad_stacks = [t for t, w in zip(stacked, want_layer, strict=True) if w]
+    last = torch.tensor(len(carries[0]) - 1, dtype=torch.int64, device=scan.device)
+    (grad_init, _, acc, grad_layers, _), _ = _scan_impl_pytree(
         body,
-        (list(grads), list(constants), accumulators),
-        (list(stacked), list(carries), list(kept)),
+        (list(grads), list(constants), accumulators, grad_stacks, last),
+        (read_only, list(carries), list(kept)),
         reverse=True,
     )
     acc_it, layer_it = iter(acc), iter(grad_layers)
@@ -664,3 +679,17 @@ def _backward_loop(
         *(next(acc_it) if w else None for w in want_const),
         *(next(layer_it) if w else None for w in want_layer),
     ]
+
+
+@functools.cache
+def _layer_slice_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """``take(stack, i)`` (layer ``i``'s slice) and ``overwrite(stack, value, i)`` (the stack
+    with that slice replaced) for a scalar index tensor: XLA DynamicSlice and
+    DynamicUpdateSlice, which torch's indexing does not lower to."""
+    import torch_xla.core.xla_op_registry as xor
+    from torch_xla.experimental.scan import dynamic_slice, dynamic_update_slice
+
+    return (
+        xor.register("xla_wrap_layer_slice", dynamic_slice),
+        xor.register("xla_wrap_layer_overwrite", dynamic_update_slice),
+    )
