@@ -3,7 +3,8 @@ tests/test_scan.py (SPMD must be on before the process's first XLA tensor, so th
 fresh process: ``python tests/_scan_fsdpv2_worker.py OUT.json``).
 
 Each composition builds the same model from the same seed and runs one training step: the
-loss, the gradients by parameter name, and the sharding of every parameter are recorded.
+loss, the FLOPs per device, the gradients by parameter name, and the sharding of every
+parameter are recorded.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 )
 
 import xla_wrap
+from xla_wrap import introspect
+from xla_wrap.bench._models import TransformerStack, causal_mask
 
+introspect.enable_compile_dumps()  # FLOPs per device, read from the compiled step
 xr.use_spmd()  # before any XLA tensor exists
 
 WIDTH, HIDDEN, DEPTH, BATCH = 32, 64, 4, 64
@@ -57,11 +61,17 @@ class Net(nn.Module):
         return self.head(x).sum()
 
 
-def _units(net: Net) -> nn.Module:
+def _units(net: nn.Module) -> nn.Module:
     def policy(module: nn.Module, recurse: bool, **_: Any) -> bool:
-        return recurse or isinstance(module, Block)
+        return recurse or type(module).__name__ in ("Block", "TransformerBlock")
 
     return FSDPv2(net, auto_wrap_policy=policy)
+
+
+def _attention_stack() -> nn.Module:
+    """The benchmark's transformer, tiny: its attention is where a backward loop partitioned
+    apart from the forward's batch split shows."""
+    return TransformerStack(blocks=3, dim=32, heads=2, dropout=0.0)
 
 
 COMPOSITIONS: dict[str, Callable[[Net], nn.Module]] = {
@@ -73,18 +83,34 @@ COMPOSITIONS: dict[str, Callable[[Net], nn.Module]] = {
 }
 
 
-def run(build: Callable[[Net], nn.Module], mesh: Any) -> dict[str, Any]:
+# The same two ways in on the tiny transformer (the mask a keyword argument).
+TRANSFORMER_COMPOSITIONS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "transformer, fsdpv2": _units,
+    "transformer, fsdpv2 units, scanned": lambda net: _units(xla_wrap.apply_scan(net)),
+}
+
+
+def run(build: Callable[[Any], nn.Module], mesh: Any, transformer: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = build(Net())
+    model = build(_attention_stack() if transformer else Net())
     device = torch_xla.device()
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)).to(device)
-    xs.mark_sharding(x, mesh, ("fsdp", None))
+    shape = (8, 16, 32) if transformer else (BATCH, WIDTH)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+    xs.mark_sharding(x, mesh, ("fsdp",) + (None,) * (x.dim() - 1))
     scale = torch.tensor(0.5).to(device)
-    loss = model(x, scale)
-    loss.backward()
-    torch_xla.sync()
+    mask = causal_mask(16).to(device)
+    losses = []
+
+    def step() -> None:
+        loss = model(x, mask=mask) if transformer else model(x, scale)
+        loss.backward()
+        torch_xla.sync()
+        losses.append(loss)
+
+    program = introspect.compiled_memory(step)
     return {
-        "loss": loss.item(),
+        "loss": losses[0].item(),
+        "flops": program.flops,
         "grads": {_name(n): p.grad.cpu().tolist() for n, p in model.named_parameters()},
         "sharded": {
             _name(n): bool(torch_xla._XLAC._get_xla_sharding_spec(p))
@@ -101,9 +127,11 @@ def _name(name: str) -> str:
 def main(out: str) -> None:
     xs.set_global_mesh(mesh := xs.Mesh(np.arange(DEVICES), (DEVICES, 1), ("fsdp", "model")))
     results: dict[str, Any] = {}
-    for name, build in COMPOSITIONS.items():
+    runs = [(n, b, False) for n, b in COMPOSITIONS.items()]
+    runs += [(n, b, True) for n, b in TRANSFORMER_COMPOSITIONS.items()]
+    for name, build, transformer in runs:
         try:
-            results[name] = run(build, mesh)
+            results[name] = run(build, mesh, transformer)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
     with open(out, "w") as f:

@@ -29,8 +29,7 @@ masks. The stream differs from the unscanned loop's (docs/scan.md).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -358,6 +357,9 @@ class _Scan:
     autocast: _autocast.AutocastSnapshot
     selection: _selective.Selection | None
     kept_offload: list[bool] = field(default_factory=list)
+    # Under SPMD: each carry tensor's sharding, which the stack of carries and the backward
+    # loop's gradients keep (XLA would otherwise pick another one for the loop state).
+    carry_specs: list[str] = field(default_factory=list)
     draws_after_body: int | None = None  # the running seed after tracing the forward body
 
     @property
@@ -514,6 +516,10 @@ def _forward_loop(
                 scan.kept_offload = [d is cp.Decision.OFFLOAD for d in selection.decisions]
             _check_unchanged(scan.stack, before, _values(layer_inputs, const_inputs))
             scan.draws_after_body = _xla.rng_state(scan.device)
+            scan.carry_specs = [
+                _xla.sharding_spec(t) or _xla.sharding_spec(c)
+                for t, c in zip(out.tensors, carry, strict=True)
+            ]
         new_carry = [t.detach() for t in out.tensors]
         saved = (list(carry_in), [t.detach() for t in kept]) if save else ([], [])
         return (new_carry, list(consts)), saved
@@ -521,6 +527,9 @@ def _forward_loop(
     (final, _), (carries, kept) = _scan_impl_pytree(
         body, (list(carry), list(constants)), list(stacked)
     )
+    for stacked_carry, spec in zip(carries, scan.carry_specs, strict=False):
+        if spec:
+            _xla.shard_by_spec(stacked_carry, spec, leading=1)
     return list(final), list(carries), list(kept)
 
 
@@ -622,7 +631,7 @@ def _backward_loop(
     want_carry, want_const, want_layer = wanted
     carry_grad = [_floating(t) for t in carries]  # the chain of carries, wanted or not
     read_only = [t for t, w in zip(stacked, want_layer, strict=True) if not w]
-    take, overwrite = _layer_slice_ops()
+    take, overwrite = _xla.layer_slice_ops()
 
     dtypes = [t.dtype for t in constants], [t.dtype for t in stacked], [t.dtype for t in carries]
 
@@ -664,6 +673,9 @@ def _backward_loop(
         ]
         return (grad_in, list(consts), acc, grad_stacks, index - 1), []
 
+    for grad, spec in zip(grads, scan.carry_specs, strict=False):
+        if spec and not _xla.sharding_spec(grad):
+            _xla.shard_by_spec(grad, spec)
     accumulators = [torch.zeros_like(c) for c, g in zip(constants, want_const, strict=True) if g]
     grad_stacks = [t for t, w in zip(stacked, want_layer, strict=True) if w]
     last = torch.tensor(len(carries[0]) - 1, dtype=torch.int64, device=scan.device)
@@ -679,17 +691,3 @@ def _backward_loop(
         *(next(acc_it) if w else None for w in want_const),
         *(next(layer_it) if w else None for w in want_layer),
     ]
-
-
-@functools.cache
-def _layer_slice_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """``take(stack, i)`` (layer ``i``'s slice) and ``overwrite(stack, value, i)`` (the stack
-    with that slice replaced) for a scalar index tensor: XLA DynamicSlice and
-    DynamicUpdateSlice, which torch's indexing does not lower to."""
-    import torch_xla.core.xla_op_registry as xor
-    from torch_xla.experimental.scan import dynamic_slice, dynamic_update_slice
-
-    return (
-        xor.register("xla_wrap_layer_slice", dynamic_slice),
-        xor.register("xla_wrap_layer_overwrite", dynamic_update_slice),
-    )

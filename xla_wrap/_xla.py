@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -120,6 +121,53 @@ def shard_like(tensor: torch.Tensor, op_sharding: object) -> None:
     torch_xla = _loaded("torch_xla")
     assert torch_xla is not None
     torch_xla._XLAC._xla_mark_sharding(tensor, op_sharding)
+
+
+# A tiled sharding as torch_xla prints it: "{devices=[4,1,1]0,1,2,3}", optionally replicated
+# over the last tile dimension.
+_TILED_SPEC = re.compile(r"\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}")
+
+
+def sharding_spec(tensor: torch.Tensor) -> str:
+    """The SPMD sharding of an XLA tensor as torch_xla prints it; "" when it has none."""
+    torch_xla = _loaded("torch_xla")
+    if torch_xla is None or not is_xla_tensor(tensor):
+        return ""
+    return str(torch_xla._XLAC._get_xla_sharding_spec(tensor))
+
+
+def shard_by_spec(tensor: torch.Tensor, spec: str, *, leading: int = 0) -> bool:
+    """Annotate the XLA ``tensor`` with the tiled sharding ``spec`` (from
+    :func:`sharding_spec`), after ``leading`` new replicated dimensions (a stack of tensors
+    sharded as ``spec``). Returns False, annotating nothing, for a spec that is not tiled."""
+    match = _TILED_SPEC.fullmatch(spec)
+    if match is None:
+        return False
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    tiles = tuple(int(d) for d in match.group(1).split(","))
+    devices = np.array([int(d) for d in match.group(2).split(",")])
+    sharded = len(tiles) - (1 if match.group(3) else 0)  # the last tile axis: replicas
+    if tensor.dim() != leading + sharded:
+        return False
+    mesh = xs.Mesh(devices, tiles)
+    xs.mark_sharding(tensor, mesh, (None,) * leading + tuple(range(sharded)))
+    return True
+
+
+@functools.cache
+def layer_slice_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """``take(stack, i)`` (layer ``i``'s slice) and ``overwrite(stack, value, i)`` (the stack
+    with that slice replaced) for a scalar index tensor: XLA DynamicSlice and
+    DynamicUpdateSlice, which torch's indexing does not lower to."""
+    import torch_xla.core.xla_op_registry as xor
+    from torch_xla.experimental.scan import dynamic_slice, dynamic_update_slice
+
+    return (
+        xor.register("xla_wrap_layer_slice", dynamic_slice),
+        xor.register("xla_wrap_layer_overwrite", dynamic_update_slice),
+    )
 
 
 def spmd_active() -> bool:
