@@ -30,7 +30,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 )
 
 import xla_wrap
-from xla_wrap import introspect
+from xla_wrap import _stacked, introspect
 from xla_wrap.bench._models import TransformerStack, causal_mask
 
 introspect.enable_compile_dumps()  # FLOPs per device, read from the compiled step
@@ -80,6 +80,13 @@ COMPOSITIONS: dict[str, Callable[[Net], nn.Module]] = {
     "fsdpv2 units, scanned": lambda net: _units(xla_wrap.apply_scan(net)),
     # The blocks scanned, the whole model one FSDPv2 unit (parameters sharded all the same).
     "fsdpv2 root, scanned": lambda net: FSDPv2(xla_wrap.apply_scan(net, policy="dots_saveable")),
+    # Both again with the parameters stored stacked (sharded as FSDPv2 shards any parameter).
+    "fsdpv2 units, scanned stacked": lambda net: _units(
+        xla_wrap.apply_scan(net, stack_parameters=True)
+    ),
+    "fsdpv2 root, scanned stacked": lambda net: FSDPv2(
+        xla_wrap.apply_scan(net, stack_parameters=True)
+    ),
 }
 
 
@@ -111,7 +118,12 @@ def run(build: Callable[[Any], nn.Module], mesh: Any, transformer: bool = False)
     return {
         "loss": losses[0].item(),
         "flops": program.flops,
-        "grads": {_name(n): p.grad.cpu().tolist() for n, p in model.named_parameters()},
+        # By state_dict name, one per layer also where the parameters are stacked.
+        "grads": {
+            _name(n): g.cpu().tolist()
+            for n, g in _stacked.per_layer_gradients(model).items()
+            if g is not None
+        },
         "sharded": {
             _name(n): bool(torch_xla._XLAC._get_xla_sharding_spec(p))
             for n, p in model.named_parameters()

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import xla_wrap
+from xla_wrap import _scanned, _stacked, introspect
 from xla_wrap import checkpoint_policies as cp
-from xla_wrap import introspect
 
 from models import sync
 
@@ -54,17 +54,18 @@ def _loop(layers: nn.ModuleList, x: torch.Tensor, *args: Any, **kwargs: Any) -> 
 def _run(
     layers: nn.ModuleList, device: torch.device, scanned: bool, policy: Any = None
 ) -> dict[str, torch.Tensor]:
+    """One step; the gradients by state_dict name (per layer also where stacked)."""
     torch.manual_seed(1)
     x = torch.randn(3, WIDTH).to(device).requires_grad_()
     scale = torch.tensor(0.7).to(device).requires_grad_()
     layers.zero_grad(set_to_none=True)
-    if scanned:
+    if scanned and not isinstance(layers, xla_wrap.ScannedLayers):
         y = xla_wrap.scan_layers(layers, x, scale, shift=0.5, policy=policy)
     else:
-        y = _loop(layers, x, scale, shift=0.5)
+        y = _loop(layers, x, scale, shift=0.5)  # a ScannedLayers scans it
     y.pow(2).mean().backward()
     out = {"y": y.detach(), "x": x.grad, "scale": scale.grad}
-    out.update({name: p.grad for name, p in layers.named_parameters()})
+    out.update(_stacked.per_layer_gradients(layers))
     sync(device)  # one program for all: each .cpu() would compile its own
     return {k: v.cpu() for k, v in out.items()}
 
@@ -76,12 +77,16 @@ def layers() -> nn.ModuleList:
 
 
 @pytest.mark.xla
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
 @pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
 def test_loss_and_gradients_equal_the_eager_loop_for_each_policy(
-    layers: nn.ModuleList, xla_device: torch.device, policy: str
+    layers: nn.ModuleList, xla_device: torch.device, policy: str, stacked: bool
 ) -> None:
     expected = _run(layers, torch.device("cpu"), scanned=False)
-    got = _run(copy.deepcopy(layers).to(xla_device), xla_device, True, POLICIES[policy])
+    twin = copy.deepcopy(layers)
+    if stacked:
+        twin = xla_wrap.ScannedLayers(twin, policy=POLICIES[policy], stack_parameters=True)
+    got = _run(twin.to(xla_device), xla_device, True, POLICIES[policy])
     assert got.keys() == expected.keys()
     for key in expected:
         scale = float(expected[key].abs().max())
@@ -348,6 +353,119 @@ def test_scanned_layers_built_at_construction_run_on_eager_cpu_as_the_loop() -> 
     assert all(isinstance(stand_in, nn.Linear) for stand_in in scanned)
 
 
+# --- stacked parameter storage --------------------------------------------------------------
+
+
+def _dropout_layers() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        nn.Sequential(
+            nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.3)
+        ).append(nn.Linear(2 * WIDTH, WIDTH))
+        for _ in range(3)
+    )
+
+
+def test_stacked_parameters_are_one_per_name_held_by_layer_0() -> None:
+    plain = _dropout_layers()
+    stacked = xla_wrap.ScannedLayers(copy.deepcopy(plain), stack_parameters=True)
+    assert stacked.parameters_stacked and not xla_wrap.ScannedLayers(plain).parameters_stacked
+    names = [name for name, _ in plain.named_parameters() if name.startswith("0.")]
+    assert [name for name, _ in stacked.named_parameters()] == names
+    for name, param in stacked.named_parameters():
+        expected = torch.stack([plain.get_parameter(f"{i}{name[1:]}") for i in range(3)])
+        assert torch.equal(param, expected)
+    assert not list(stacked[1].parameters())  # the others keep structure and buffers only
+    assert isinstance(stacked[0][0], nn.LayerNorm)  # weight decay rules by type still see it
+
+
+def test_stacked_parameters_on_eager_cpu_train_as_the_checkpointed_loop_bitwise() -> None:
+    plain = _dropout_layers()
+    stacked = xla_wrap.ScannedLayers(copy.deepcopy(plain), stack_parameters=True)
+    runs = []
+    for layers in (plain, stacked):
+        torch.manual_seed(5)
+        x = torch.randn(4, WIDTH, requires_grad=True)
+        y = x
+        for layer in layers:
+            y = layer(y) if layers is stacked else xla_wrap.checkpoint(layer, y)
+        y.pow(2).sum().backward()
+        runs.append({"y": y, "x": x.grad, **_stacked.per_layer_gradients(layers)})
+    assert runs[0].keys() == runs[1].keys()
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), key
+
+
+def test_stacked_parameters_keep_the_per_layer_state_dict_and_load_both_ways(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    plain = _dropout_layers()
+    stacked = xla_wrap.ScannedLayers(copy.deepcopy(plain), stack_parameters=True)
+    expected = plain.state_dict()
+    state = stacked.state_dict()
+    assert list(state) == list(expected)  # names and order of the unscanned list
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    save_file(state, tmp_path / "layers.safetensors")  # refuses tensors that share memory
+    fresh = _dropout_layers()
+    for p in fresh.parameters():
+        torch.nn.init.zeros_(p)
+    into_stacked = xla_wrap.ScannedLayers(fresh, stack_parameters=True)
+    into_stacked.load_state_dict(load_file(tmp_path / "layers.safetensors"))
+    pairs = zip(into_stacked.parameters(), stacked.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    back = _dropout_layers()
+    back.load_state_dict(into_stacked.state_dict())
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in expected.items())
+    _scanned.unscan(into_stacked)
+    assert type(into_stacked) is nn.ModuleList
+    names = [n for n, _ in plain.named_parameters()]
+    assert [n for n, _ in into_stacked.named_parameters()] == names
+    assert all(torch.equal(into_stacked.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.xla
+def test_stacked_parameters_leave_nothing_per_layer_in_the_compiled_program(
+    xla_device: torch.device,
+) -> None:
+    """What makes compile time flat in depth: with stacked storage the program of 3 layers
+    and of 6 is the same HLO but for the loop's trip count and the stacks' first dimension;
+    with per-layer parameters each layer adds inputs, slices and outputs."""
+    import torch_xla
+
+    def program_lines(depth: int, stacked: bool) -> int:
+        torch.manual_seed(0)
+        layers = xla_wrap.ScannedLayers(
+            (nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(depth)),
+            stack_parameters=stacked,
+        ).to(xla_device)
+        x = torch.randn(4, 8).to(xla_device)
+
+        def step() -> None:
+            _loop(layers, x).pow(2).sum().backward()
+            torch_xla.sync()
+
+        return len(introspect.compiled_memory(step).optimized_hlo.splitlines())
+
+    # From 3 layers on: torch_xla bakes the scalars 0 and 1 (the last layer's index at 2
+    # layers) into the program as constants, and XLA folds them.
+    assert program_lines(3, stacked=True) == program_lines(6, stacked=True)
+    assert program_lines(3, stacked=False) < program_lines(6, stacked=False)
+
+
+def test_stacked_parameters_refuse_tied_layers_and_slices_past_the_first() -> None:
+    shared = nn.Linear(WIDTH, WIDTH)
+    tied = nn.ModuleList(nn.Sequential(shared, nn.Tanh()) for _ in range(2))
+    with pytest.raises(xla_wrap.CheckpointValueError, match="shared with layer 0.*untie"):
+        xla_wrap.ScannedLayers(tied, stack_parameters=True)
+    layers = xla_wrap.ScannedLayers(_dropout_layers(), stack_parameters=True)
+    x = torch.randn(2, WIDTH)
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"stack positions \[1, 2\]"):
+        _loop(layers[1:], x)
+    assert _loop(layers[:2], x).shape == x.shape  # a prefix scans its part of the stacks
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 
@@ -420,6 +538,8 @@ FSDPV2_WORKER = Path(__file__).with_name("_scan_fsdpv2_worker.py")
 SCANNED_UNDER_FSDPV2 = {
     "fsdpv2 units, scanned": "fsdpv2",
     "fsdpv2 root, scanned": "fsdpv2",
+    "fsdpv2 units, scanned stacked": "fsdpv2",
+    "fsdpv2 root, scanned stacked": "fsdpv2",
     "transformer, fsdpv2 units, scanned": "transformer, fsdpv2",
 }
 

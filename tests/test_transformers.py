@@ -7,6 +7,7 @@ import copy
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import xla_wrap
+from xla_wrap import _stacked
 
 transformers = pytest.importorskip("transformers")
 xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
@@ -227,27 +229,40 @@ def test_transformers_layers_with_a_save_policy_bitwise_on_eager_cpu(
 
 
 @pytest.mark.xla
-@pytest.mark.parametrize("make", MODELS)
+@pytest.mark.parametrize(
+    ("make", "stacked"),
+    [(llama, False), (gpt2, False), (llama, True)],
+    ids=["llama", "gpt2", "llama-stacked"],
+)
 def test_scanned_transformers_layers_give_the_loops_loss_and_gradients(
-    make: Callable[..., nn.Module], xla_device: torch.device
+    make: Callable[..., nn.Module], stacked: bool, xla_device: torch.device, tmp_path: Path
 ) -> None:
-    """``scan=True``: the decoder layers run as one scanned stack. Compared in eval mode (no
-    Dropout: the scanned stack draws its own masks) with the loop on XLA. (Against eager CPU,
-    GPT-2's tied embedding gradient differs on XLA already without xla_wrap.)"""
+    """``scan=True``: the decoder layers run as one scanned stack (with ``stack_parameters``,
+    stored stacked). Compared in eval mode (no Dropout: the scanned stack draws its own masks)
+    with the loop on XLA. (Against eager CPU, GPT-2's tied embedding gradient differs on XLA
+    already without xla_wrap.)"""
     import torch_xla
 
     torch.manual_seed(0)
     plain = make(layers=3).eval()
     plain.config.use_cache = False
     twin = copy.deepcopy(plain)
-    xla_hf.gradient_checkpointing_enable(twin, scan=True, policy="dots_saveable")
+    xla_hf.gradient_checkpointing_enable(
+        twin, scan=True, stack_parameters=stacked, policy="dots_saveable"
+    )
     scanned = [m for m in twin.modules() if isinstance(m, xla_wrap.ScannedLayers)]
     assert len(scanned) == 1 and len(scanned[0]) == 3
+    assert scanned[0].parameters_stacked == stacked
     assert list(twin.state_dict()) == list(plain.state_dict())
+    if stacked:  # transformers' own checkpoint files, through safetensors, load unscanned
+        twin.save_pretrained(tmp_path)
+        loaded = type(plain).from_pretrained(tmp_path)
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in plain.state_dict().items())
     runs = []
     for model in (plain, twin):
         model.to(xla_device)
-        loss, grads = _step(model, _ids(xla_device))
+        loss, _ = _step(model, _ids(xla_device))
+        grads = list(_stacked.per_layer_gradients(model).values())
         torch_xla.sync()
         runs.append((loss.cpu(), [g.cpu() for g in grads]))
     (expected_loss, expected), (loss, grads) = runs
@@ -256,11 +271,14 @@ def test_scanned_transformers_layers_give_the_loops_loss_and_gradients(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     xla_hf.gradient_checkpointing_disable(twin)
     assert not any(isinstance(m, xla_wrap.ScannedLayers) for m in twin.modules())
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in plain.named_parameters()]
 
 
 def test_scan_refuses_options_it_cannot_apply() -> None:
     with pytest.raises(xla_wrap.CheckpointValueError, match="every_n_layers=2"):
         xla_hf.gradient_checkpointing_enable(llama(), scan=True, every_n_layers=2)
+    with pytest.raises(xla_wrap.CheckpointValueError, match="without scan=True"):
+        xla_hf.gradient_checkpointing_enable(llama(), stack_parameters=True)
 
 
 @pytest.mark.xla

@@ -29,6 +29,7 @@ masks. The stream differs from the unscanned loop's (docs/scan.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from . import _autocast, _offload, _rng, _selective, _xla
+from . import _autocast, _offload, _rng, _selective, _stacked, _xla
 from . import checkpoint_policies as cp
 from ._checkpoint import run_checkpointed
 from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
@@ -131,6 +132,7 @@ class _LayerStack:
     buffer_names: tuple[str, ...]  # the layers' own buffers, stacked per name
     shared_buffers: dict[str, torch.Tensor]  # one tensor all layers hold: passed once
     wrapped_options: CheckpointOptions | None  # the layers were checkpoint-wrapped alike
+    stacked_storage: bool  # the parameters live stacked in layer 0 (xla_wrap._stacked)
 
     @classmethod
     def of(cls, layers: Sequence[nn.Module]) -> _LayerStack:
@@ -157,10 +159,18 @@ class _LayerStack:
                     f"{i}. Pass modules; wrap a function as a module to scan it."
                 )
         first = items[0]
+        slots = [_stacked.slot(layer) for layer in items]
+        stacked_storage = slots[0] is not None
+        if slots != (list(range(len(items))) if stacked_storage else [None] * len(items)):
+            raise CheckpointValueError(
+                f"{_API}: expected the layers of a list with stacked parameters in order from "
+                f"its first (the whole list, or a slice [:n]), got layers at stack positions "
+                f"{slots}. Scan the list itself, or a prefix of it."
+            )
         for i, layer in enumerate(items):
             _check_runnable(i, layer)
             if i:
-                _check_alike(first, i, layer)
+                _check_alike(first, i, layer, parameters=not stacked_storage)
         param_names = tuple(name for name, _ in first.named_parameters())
         shared: dict[str, torch.Tensor] = {}
         stacked: list[str] = []
@@ -179,6 +189,7 @@ class _LayerStack:
             buffer_names=tuple(stacked),
             shared_buffers=shared,
             wrapped_options=options.pop() if len(options) == 1 else None,
+            stacked_storage=stacked_storage,
         )
 
     @property
@@ -187,14 +198,33 @@ class _LayerStack:
 
     def stacked(self) -> list[torch.Tensor]:
         """Per parameter, then per stacked buffer: the layers' tensors stacked on a new first
-        dimension (the loop slices one layer's out of each per iteration)."""
-        return [
-            torch.stack([layer.get_parameter(name) for layer in self.layers])
-            for name in self.param_names
-        ] + [
+        dimension (the loop slices one layer's out of each per iteration). Parameters in
+        stacked storage are that already."""
+        params: list[torch.Tensor]
+        if self.stacked_storage:
+            count = len(self.layers)
+            params = [self.template.get_parameter(name) for name in self.param_names]
+            params = [p if p.shape[0] == count else p[:count] for p in params]
+        else:
+            params = [
+                torch.stack([layer.get_parameter(name) for layer in self.layers])
+                for name in self.param_names
+            ]
+        return params + [
             torch.stack([layer.get_buffer(name) for layer in self.layers])
             for name in self.buffer_names
         ]
+
+    def layer_tensors(self, index: int) -> list[torch.Tensor]:
+        """Layer ``index``'s parameters and stacked buffers, in the order of :meth:`stacked`
+        (its slices of parameters in stacked storage)."""
+        layer = self.layers[index]
+        owner = self.template if self.stacked_storage else layer
+        # Through the slots, not get_parameter: a recomputation holds copies there.
+        params = [_held(owner, name, "_parameters") for name in self.param_names]
+        if self.stacked_storage:
+            params = [p[index] for p in params]
+        return params + [_held(layer, name, "_buffers") for name in self.buffer_names]
 
     def call(
         self,
@@ -210,6 +240,13 @@ class _LayerStack:
         mapping.update(self.shared_buffers)
         with _reparametrize_module(self.template, mapping):
             return _own_forward(self.template)(carry, *args, **kwargs)
+
+
+def _held(module: nn.Module, name: str, kind: str) -> torch.Tensor:
+    """The tensor in the ``_parameters`` or ``_buffers`` slot that ``name`` names."""
+    path, _, leaf = name.rpartition(".")
+    tensor: torch.Tensor = getattr(module.get_submodule(path), kind)[leaf]
+    return tensor
 
 
 def _own_forward(layer: nn.Module) -> Any:
@@ -256,14 +293,18 @@ def _harmless(hook: Any) -> bool:
     return bool(name.endswith("apply_backward_optimization_barrier.<locals>.optimization_barrier"))
 
 
-def _check_alike(first: nn.Module, index: int, layer: nn.Module) -> None:
+def _check_alike(first: nn.Module, index: int, layer: nn.Module, *, parameters: bool) -> None:
+    """Refuse a layer built unlike layer 0 (with ``parameters``, also in its parameters: in
+    stacked storage layer 0 holds all of them)."""
+
     def base(module: nn.Module) -> type:
         return module._checkpoint_base if isinstance(module, CheckpointWrapper) else type(module)
 
     def signature(module: nn.Module) -> tuple[tuple[object, ...], ...]:
         return (
             tuple(
-                (n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()
+                (n, tuple(p.shape), p.dtype, p.requires_grad)
+                for n, p in (module.named_parameters() if parameters else ())
             ),
             tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
             tuple((n, type(m).__qualname__) for n, m in module.named_modules()),
@@ -331,13 +372,23 @@ def _xla_fsdp_v1_class() -> type | None:
 def _loop(
     stack: _LayerStack, args: tuple[Any, ...], kwargs: dict[str, Any], options: CheckpointOptions
 ) -> Any:
-    """Off XLA: the loop itself, each layer checkpointed."""
+    """Off XLA: the loop itself, each layer checkpointed (in stacked storage, layer 0 run
+    on each layer's slices)."""
     carry, rest = args[0], args[1:]
-    for layer in stack.layers:
+    for index, layer in enumerate(stack.layers):
+        if stack.stacked_storage:
+            forward = functools.partial(_run_slot, stack, index)
+            owners: tuple[nn.Module, ...] = (stack.template, layer)
+        else:
+            forward, owners = _own_forward(layer), (layer,)
         carry = run_checkpointed(
-            _API, _own_forward(layer), (carry, *rest), kwargs, owners=(layer,), options=options
+            _API, forward, (carry, *rest), kwargs, owners=owners, options=options
         )
     return carry
+
+
+def _run_slot(stack: _LayerStack, index: int, carry: Any, *args: Any, **kwargs: Any) -> Any:
+    return stack.call(carry, args, kwargs, stack.layer_tensors(index))
 
 
 # --- on XLA: two While loops under one autograd Function ---------------------------------

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from . import _stacked
 from . import checkpoint_policies as cp
 from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from ._options import make_options
@@ -34,6 +35,11 @@ class ScannedLayers(nn.ModuleList):
         modules: The layers, all built alike.
         policy: The save policy each layer checkpoints with (as in :func:`scan_layers`).
         offload_to_cpu: Keep the saved carries in host memory (as in :func:`scan_layers`).
+        stack_parameters: Store the layers' parameters stacked, one parameter per name with
+            the layers on its first dimension, held where layer 0 holds its own: the scan
+            then neither copies the weights nor compiles anything per layer (compile time
+            flat in depth). ``state_dict`` still has one entry per layer; build optimizers
+            after this. See docs/scan.md.
 
     Example:
         >>> import torch, xla_wrap
@@ -51,9 +57,18 @@ class ScannedLayers(nn.ModuleList):
         *,
         policy: cp.SavePolicy | str | None = None,
         offload_to_cpu: bool = False,
+        stack_parameters: bool = False,
     ) -> None:
         super().__init__(modules)
-        self.__dict__[_OPTIONS] = _scan_options("xla_wrap.ScannedLayers", policy, offload_to_cpu)
+        api = "xla_wrap.ScannedLayers"
+        self.__dict__[_OPTIONS] = _scan_options(api, policy, offload_to_cpu)
+        if stack_parameters:
+            _stack(api, self)
+
+    @property
+    def parameters_stacked(self) -> bool:
+        """Whether the layers' parameters are stored stacked (``stack_parameters=True``)."""
+        return _stacked.is_stacked(self)
 
     @property
     def scan_options(self) -> dict[str, Any]:
@@ -168,6 +183,13 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
+def _stack(api: str, layers: nn.ModuleList) -> None:
+    stack = _LayerStack.of(list(layers._modules.values()))
+    if stack.stacked_storage:
+        return
+    _stacked.stack(api, layers, stack.param_names)
+
+
 def _scan_options(
     api: str, policy: cp.SavePolicy | str | None, offload_to_cpu: bool
 ) -> dict[str, Any]:
@@ -181,6 +203,7 @@ def apply_scan(
     *,
     policy: cp.SavePolicy | str | None = None,
     offload_to_cpu: bool = False,
+    stack_parameters: bool = False,
 ) -> M:
     """Turn, in place, each ``nn.ModuleList`` of ``model`` whose layers are built alike (and,
     with ``check_fn``, all selected by it) into a :class:`ScannedLayers`.
@@ -194,6 +217,9 @@ def apply_scan(
         check_fn: Which layers may be scanned (``check_fn(layer) -> bool``); default: all.
         policy: The save policy of the scanned layers (as in :func:`scan_layers`).
         offload_to_cpu: Keep the saved carries in host memory (as in :func:`scan_layers`).
+        stack_parameters: Store each list's parameters stacked (as in
+            :class:`ScannedLayers`): the model's parameters change, so build the optimizer
+            after this.
 
     Returns:
         ``model`` itself.
@@ -240,11 +266,16 @@ def apply_scan(
     for module in found:
         module.__class__ = ScannedLayers
         module.__dict__[_OPTIONS] = options
+        if stack_parameters:
+            _stack(api, module)
     return model
 
 
 def unscan(layers: ScannedLayers) -> nn.ModuleList:
-    """Undo :func:`apply_scan` on one list, in place: a plain ``nn.ModuleList`` again."""
+    """Undo :func:`apply_scan` on one list, in place: a plain ``nn.ModuleList`` again (with
+    per-layer parameters again, new tensors, if they were stacked)."""
+    if _stacked.is_stacked(layers):
+        _stacked.unstack(layers)
     plain: nn.ModuleList = layers
     plain.__dict__.pop(_OPTIONS, None)
     plain.__class__ = nn.ModuleList

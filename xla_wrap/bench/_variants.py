@@ -85,6 +85,10 @@ def _xla_wrap_scan(blocks: nn.ModuleList) -> nn.ModuleList:
     return xla_wrap.ScannedLayers(blocks)
 
 
+def _xla_wrap_scan_stacked(blocks: nn.ModuleList) -> nn.ModuleList:
+    return xla_wrap.ScannedLayers(blocks, stack_parameters=True)
+
+
 def _torch_xla_scan(blocks: nn.ModuleList) -> nn.ModuleList:
     return _TorchXlaScanned(blocks)
 
@@ -104,6 +108,7 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module] | None] = {
 STACK_VARIANTS: dict[str, Callable[[nn.ModuleList], nn.ModuleList]] = {
     "torch_xla scan_layers": _torch_xla_scan,
     "xla_wrap scan": _xla_wrap_scan,
+    "xla_wrap scan stacked": _xla_wrap_scan_stacked,
 }
 VARIANTS.update(dict.fromkeys(STACK_VARIANTS))
 
@@ -121,4 +126,5 @@ DEPTH_VARIANTS = (
     "xla_wrap",
     "torch_xla scan_layers",
     "xla_wrap scan",
+    "xla_wrap scan stacked",
 )

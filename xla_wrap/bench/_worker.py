@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._stacked import per_layer_gradients
 from ._floor import estimated_floor
 from ._models import Workload, build
 from ._variants import STACK_VARIANTS, VARIANTS
@@ -205,7 +206,9 @@ def _measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) 
     compiled_before = _compile_seconds(met)
     program = introspect.compiled_memory(lambda: losses.append(step()))
     compile_s = _compile_seconds(met) - compiled_before
-    torch.save([p.grad.cpu() for p in step.model.parameters()], grads)  # type: ignore[attr-defined]
+    # Per layer, in state_dict order, also where a scanned list stores its parameters stacked.
+    gradients = per_layer_gradients(step.model)  # type: ignore[attr-defined]
+    torch.save([g.cpu() for g in gradients.values() if g is not None], grads)
     compiles = met.metric_data("CompileTime")[0]
     for _ in range(TRACED_STEPS):  # later steps must reuse the program the first one compiled
         step()

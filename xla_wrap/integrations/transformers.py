@@ -55,6 +55,7 @@ def gradient_checkpointing_enable(
     *,
     every_n_layers: int = 1,
     scan: bool = False,
+    stack_parameters: bool = False,
     plan: CheckpointPlan | None = None,
     **checkpoint_options: Any,
 ) -> None:
@@ -74,6 +75,9 @@ def gradient_checkpointing_enable(
             passes each layer's result to the next and nothing else qualify (docs/scan.md
             lists them); every layer is checkpointed, and only ``policy`` and
             ``offload_to_cpu`` apply.
+        stack_parameters: With ``scan``, store each scanned list's parameters stacked
+            (:class:`xla_wrap.ScannedLayers`): compile time flat in depth. The model's
+            parameters change (``state_dict`` does not): build the optimizer after this.
         plan: A :class:`xla_wrap.CheckpointPlan` for this model
             (:func:`xla_wrap.plan_checkpointing`): each layer is checkpointed as the plan
             chose, and ``every_n_layers`` is the special case of a plan that fully recomputes
@@ -99,6 +103,11 @@ def gradient_checkpointing_enable(
             "Pass 1 to checkpoint every layer, 2 for every other one."
         )
     options = options_from(api, checkpoint_options)
+    if stack_parameters and not scan:
+        raise CheckpointValueError(
+            f"{api}: stack_parameters=True stores a scanned stack's parameters; got it "
+            "without scan=True. Pass scan=True too, or drop stack_parameters."
+        )
     pretrained: Any = model  # a PreTrainedModel, checked above
     if plan is not None:
         if (
@@ -115,7 +124,7 @@ def gradient_checkpointing_enable(
             )
         plan.apply(pretrained)
     elif scan:
-        _scan_layers(api, pretrained, every_n_layers, checkpoint_options)
+        _scan_layers(api, pretrained, every_n_layers, checkpoint_options, stack_parameters)
     else:
         function = functools.partial(checkpoint, **options.as_keywords())
         pretrained._set_gradient_checkpointing(
@@ -150,7 +159,9 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
         delattr(pretrained, _SAVED_USE_CACHE)
 
 
-def _scan_layers(api: str, model: Any, every_n_layers: int, options: dict[str, Any]) -> None:
+def _scan_layers(
+    api: str, model: Any, every_n_layers: int, options: dict[str, Any], stack_parameters: bool
+) -> None:
     """Scan every list of transformers' checkpointable layers in ``model``."""
     other = sorted(set(options) - {"policy", "offload_to_cpu"})
     if every_n_layers != 1 or other:
@@ -161,7 +172,12 @@ def _scan_layers(api: str, model: Any, every_n_layers: int, options: dict[str, A
             + ". Drop them, or checkpoint without scan=True."
         )
     layer_class = importlib.import_module("transformers.modeling_layers").GradientCheckpointingLayer
-    apply_scan(model, lambda layer: isinstance(layer, layer_class), **options)
+    apply_scan(
+        model,
+        lambda layer: isinstance(layer, layer_class),
+        stack_parameters=stack_parameters,
+        **options,
+    )
 
 
 # --- transformers' own switch ---------------------------------------------------------------
