@@ -26,8 +26,8 @@ from ._errors import CheckpointValueError
 
 # In a layer's __dict__: its index on the stacked parameters' first dimension.
 _SLOT = "_xla_wrap_stack_slot"
-# In the list's __dict__: the handles of its state_dict hooks.
-_HOOKS = "_xla_wrap_stack_hooks"
+# In the list's __dict__: set while its parameters are stacked.
+_STACKED = "_xla_wrap_parameters_stacked"
 
 
 def slot(layer: nn.Module) -> int | None:
@@ -41,7 +41,7 @@ def slot(layer: nn.Module) -> int | None:
 
 
 def is_stacked(layers: nn.Module) -> bool:
-    return _HOOKS in layers.__dict__
+    return _STACKED in layers.__dict__
 
 
 def stack(api: str, layers: nn.ModuleList, param_names: Sequence[str]) -> None:
@@ -70,10 +70,9 @@ def stack(api: str, layers: nn.ModuleList, param_names: Sequence[str]) -> None:
         items[0].get_submodule(path).register_parameter(leaf, stacked)
     for i, layer in enumerate(items):
         layer.__dict__[_SLOT] = i
-    layers.__dict__[_HOOKS] = (
-        layers.register_state_dict_post_hook(_per_layer_state),
-        layers.register_load_state_dict_pre_hook(_stack_loaded_state),
-    )
+    layers.register_state_dict_post_hook(_per_layer_state)
+    layers.register_load_state_dict_pre_hook(_stack_loaded_state)
+    layers.__dict__[_STACKED] = True
 
 
 def unstack(layers: nn.ModuleList) -> None:
@@ -90,8 +89,14 @@ def unstack(layers: nn.ModuleList) -> None:
     for layer in items:
         for module in layer.modules():
             module.__dict__.pop(_SLOT, None)
-    for handle in layers.__dict__.pop(_HOOKS):
-        handle.remove()
+    # By identity, not by handle: a deep copy's handles would remove the original's hooks.
+    hooks: dict[int, Any] = layers._state_dict_hooks
+    for key in [k for k, hook in hooks.items() if hook is _per_layer_state]:
+        del hooks[key]
+    pre_hooks: dict[int, Any] = layers._load_state_dict_pre_hooks
+    for key in [k for k, h in pre_hooks.items() if getattr(h, "hook", h) is _stack_loaded_state]:
+        del pre_hooks[key]
+    del layers.__dict__[_STACKED]
 
 
 def _stacked_names(layers: nn.Module) -> list[str]:
