@@ -1,14 +1,16 @@
 """Compile a deep stack once: a checkpointed Python loop against a scanned stack, in one process.
 
 Builds a pre-LayerNorm transformer (attention and a 4x MLP per block) and runs its training
-step two ways, each compiled in this process: every block checkpointed in the Python loop
-(``xla_wrap.checkpoint_wrapper``), and the blocks as one scanned stack
-(``xla_wrap.ScannedLayers``, the same model code). For each it prints the compile seconds
+step three ways, each compiled in this process: every block checkpointed in the Python loop
+(``xla_wrap.checkpoint_wrapper``), the blocks as one scanned stack (``xla_wrap.ScannedLayers``,
+the same model code), and that stack with its parameters stored stacked
+(``stack_parameters=True``: nothing per block left in the program). For each it prints the
+compile seconds
 (torch_xla's CompileTime metric), the Python trace time of a step, the compiled peak memory
 (XLA's buffer assignment), and whether loss and gradients agree. Then it trains both with
 Dropout for a few steps (the scanned stack draws its own masks: alike curves, not equal).
 
-    python examples/scan_stack.py                    # 16 blocks, width 128, about a minute
+    python examples/scan_stack.py                    # 16 blocks, width 128, under 2 minutes
     python examples/scan_stack.py --blocks 4 --dim 32 --seq 16
 
 docs/scan.md explains when to scan and what it measures at 12 to 48 blocks.
@@ -103,7 +105,7 @@ def main() -> None:
             compile_s=(compile_after[1] - (compile_before[1] if compile_before else 0)) / 1e9,
             trace_ms=min(traced[1:]) * 1e3,
             peak_mib=program.total_bytes / 2**20,
-            grads=[p.grad.cpu() for p in model.parameters()],
+            grads={name: p.grad.cpu() for name, p in model.named_parameters()},
         )
         return result
 
@@ -113,8 +115,13 @@ def main() -> None:
     xla_wrap.apply_activation_checkpointing(looped, lambda m: isinstance(m, Block))
     scanned = copy.deepcopy(plain)
     xla_wrap.apply_scan(scanned)  # model.blocks is now a ScannedLayers
+    stacked = xla_wrap.apply_scan(copy.deepcopy(plain), stack_parameters=True)
     runs = {}
-    for name, model in (("checkpointed loop", looped), ("scanned stack", scanned)):
+    for name, model in (
+        ("checkpointed loop", looped),
+        ("scanned stack", scanned),
+        ("stacked parameters", stacked),
+    ):
         print(f"{name}: compiling and running ...", flush=True)
         runs[name] = measure(model)
     reference = runs["checkpointed loop"]
@@ -124,21 +131,31 @@ def main() -> None:
             f"{name:20} {run['compile_s']:10.1f} {run['trace_ms']:9.0f} {run['peak_mib']:9.1f}"
             f"  {run['loss']:.6f}"
         )
-    worst = max(
-        float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-        for a, b in zip(runs["scanned stack"]["grads"], reference["grads"], strict=True)  # type: ignore[call-overload]
-    )
-    print(f"largest gradient difference, relative to its tensor's largest value: {worst:.1e}")
+    expected: dict[str, torch.Tensor] = reference["grads"]  # type: ignore[assignment]
 
-    print(f"training both with Dropout 0.1 for {args.steps} Adam steps ...", flush=True)
-    for name, scan in (("checkpointed loop", False), ("scanned stack", True)):
+    def as_loop(name: str, stacked: bool) -> torch.Tensor:
+        """The loop's gradient under a scanned model's parameter name: with stacked
+        parameters, ``blocks.0.x`` is every block's ``blocks.<i>.x``, stacked."""
+        if not (stacked and name.startswith("blocks.0.")):
+            return expected[name]
+        rest = name.removeprefix("blocks.0.")
+        return torch.stack([expected[f"blocks.{i}.{rest}"] for i in range(args.blocks)])
+
+    for name in ("scanned stack", "stacked parameters"):
+        grads: dict[str, torch.Tensor] = runs[name]["grads"]  # type: ignore[assignment]
+        pairs = [(g, as_loop(n, name == "stacked parameters")) for n, g in grads.items()]
+        worst = max(float((g - e).abs().max() / e.abs().max().clamp_min(1e-30)) for g, e in pairs)
+        print(f"{name}: largest gradient difference, relative to its tensor's largest: {worst:.1e}")
+
+    print(f"training all with Dropout 0.1 for {args.steps} Adam steps ...", flush=True)
+    for name in runs:
         model = build(dropout=0.1)
-        if scan:
-            xla_wrap.apply_scan(model)
-        else:
+        if name == "checkpointed loop":
             xla_wrap.apply_activation_checkpointing(model, lambda m: isinstance(m, Block))
+        else:
+            xla_wrap.apply_scan(model, stack_parameters=name == "stacked parameters")
         model.to(device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # after stacking
         losses = []
         for _ in range(args.steps):
             optimizer.zero_grad()

@@ -97,17 +97,18 @@ def test_scan_stack_example_smallest_configuration() -> None:
     )
     assert "scanned stack: compiling and running" in done.stdout  # progress is shown
     rows = {line[:20].strip(): line[20:].split() for line in done.stdout.splitlines()}
-    loop, scan = rows["checkpointed loop"], rows["scanned stack"]
-    assert float(scan[3]) == pytest.approx(float(loop[3]), rel=1e-5)  # the same loss
-    assert all(float(v) > 0 for v in (*scan[:3], *loop[:3]))  # compile s, trace ms, peak
-    difference = done.stdout.split("largest value: ")[1].split()[0]
-    assert float(difference) < 1e-4
+    loop = rows["checkpointed loop"]
+    for scan in (rows["scanned stack"], rows["stacked parameters"]):
+        assert float(scan[3]) == pytest.approx(float(loop[3]), rel=1e-5)  # the same loss
+        assert all(float(v) > 0 for v in (*scan[:3], *loop[:3]))  # compile s, trace ms, peak
+    differences = [part.split()[0] for part in done.stdout.split("largest: ")[1:]]
+    assert len(differences) == 2 and all(float(d) < 1e-4 for d in differences)
     curves = [
         [float(v) for v in part.split("]")[0].split(",")]
         for part in done.stdout.split("losses [")[1:]
     ]
-    assert len(curves) == 2 and all(len(c) == 4 for c in curves)
-    for curve in curves:  # both train, with Dropout
+    assert len(curves) == 3 and all(len(c) == 4 for c in curves)
+    for curve in curves:  # all train, with Dropout
         assert curve[-1] < curve[0]
 
 

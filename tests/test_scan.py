@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import xla_wrap
-from xla_wrap import _scanned, _stacked, introspect
+from xla_wrap import _stacked, introspect
 from xla_wrap import checkpoint_policies as cp
 
 from models import sync
@@ -418,7 +418,7 @@ def test_stacked_parameters_keep_the_per_layer_state_dict_and_load_both_ways(
     back = _dropout_layers()
     back.load_state_dict(into_stacked.state_dict())
     assert all(torch.equal(back.state_dict()[k], v) for k, v in expected.items())
-    _scanned.unscan(into_stacked)
+    xla_wrap.unscan(into_stacked)
     assert type(into_stacked) is nn.ModuleList
     names = [n for n, _ in plain.named_parameters()]
     assert [n for n, _ in into_stacked.named_parameters()] == names

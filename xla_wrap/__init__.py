@@ -28,6 +28,7 @@ from ._planner import plan_checkpointing as plan_checkpointing
 from ._scan import scan_layers as scan_layers
 from ._scanned import ScannedLayers as ScannedLayers
 from ._scanned import apply_scan as apply_scan
+from ._scanned import unscan as unscan
 from ._selective import checkpoint_name as checkpoint_name
 from ._state import is_recomputing as is_recomputing
 from ._wrapper import CheckpointWrapper as CheckpointWrapper
@@ -60,6 +61,7 @@ __all__ = [
     "optimization_barrier",
     "plan_checkpointing",
     "scan_layers",
+    "unscan",
     "unwrap",
     "wrap",
 ]

@@ -272,8 +272,18 @@ def apply_scan(
 
 
 def unscan(layers: ScannedLayers) -> nn.ModuleList:
-    """Undo :func:`apply_scan` on one list, in place: a plain ``nn.ModuleList`` again (with
-    per-layer parameters again, new tensors, if they were stacked)."""
+    """Undo :func:`apply_scan` (or a :class:`ScannedLayers`) on one list, in place: a plain
+    ``nn.ModuleList`` again, whose loop runs layer by layer. Stacked parameters become
+    per-layer ones again (new tensors: build the optimizer again).
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> layers = xla_wrap.ScannedLayers(
+        ...     (torch.nn.Linear(8, 8) for _ in range(3)), stack_parameters=True
+        ... )
+        >>> type(xla_wrap.unscan(layers)).__name__, tuple(layers[2].weight.shape)
+        ('ModuleList', (8, 8))
+    """
     if _stacked.is_stacked(layers):
         _stacked.unstack(layers)
     plain: nn.ModuleList = layers

@@ -49,7 +49,13 @@ PLAN_GROUPS: tuple[tuple[str, str, dict[str, int]], ...] = (
 )
 # Under FSDP only the tools that run on XLA with the right gradients are worth compiling: the
 # others crash or give wrong gradients already without sharding (see the other models).
-SHARDED_VARIANTS = ("none", "torch_xla.utils.checkpoint", "xla_wrap", "xla_wrap scan")
+SHARDED_VARIANTS = (
+    "none",
+    "torch_xla.utils.checkpoint",
+    "xla_wrap",
+    "xla_wrap scan",
+    "xla_wrap scan stacked",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
