@@ -356,6 +356,36 @@ def test_scanned_layers_built_at_construction_run_on_eager_cpu_as_the_loop() -> 
 # --- stacked parameter storage --------------------------------------------------------------
 
 
+class _TwiceTied(nn.Module):
+    """One parameter under two names: the same Linear applied twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.once = nn.Linear(WIDTH, WIDTH)
+        self.again = self.once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.again(torch.tanh(self.once(x)))
+
+
+def test_a_parameter_a_layer_holds_under_two_names_is_refused() -> None:
+    """The body gives each layer its parameters by name: under a second name layer 0's would
+    stay (silently wrong gradients); replacing both names makes torch_xla 2.9 crash."""
+    layers = nn.ModuleList(_TwiceTied() for _ in range(2))
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"under several \(once.weight"):
+        xla_wrap.scan_layers(layers, torch.randn(2, WIDTH))
+
+
+def test_tiled_sharding_specs_read_as_torch_xla_prints_them() -> None:
+    from xla_wrap._xla import tiled_sharding
+
+    assert tiled_sharding("{devices=[4,1,1]0,1,2,3}") == ((4, 1, 1), [0, 1, 2, 3], 3)
+    assert tiled_sharding("{devices=[4,1]<=[4]}") == ((4, 1), [0, 1, 2, 3], 2)
+    transposed = "{devices=[2,1,2]<=[2,2]T(1,0) last_tile_dim_replicate}"
+    assert tiled_sharding(transposed) == ((2, 1, 2), [0, 2, 1, 3], 2)
+    assert tiled_sharding("{replicated}") is None
+
+
 def _dropout_layers() -> nn.ModuleList:
     torch.manual_seed(0)
     return nn.ModuleList(
@@ -377,6 +407,8 @@ def test_stacked_parameters_are_one_per_name_held_by_layer_0() -> None:
         assert torch.equal(param, expected)
     assert not list(stacked[1].parameters())  # the others keep structure and buffers only
     assert isinstance(stacked[0][0], nn.LayerNorm)  # weight decay rules by type still see it
+    # Printing does not reach the other layers, whose modules' reprs read their parameters.
+    assert "(1-2): as layer 0, parameters stacked in layer 0 (3 layers)" in repr(stacked)
 
 
 def test_stacked_parameters_on_eager_cpu_train_as_the_checkpointed_loop_bitwise() -> None:
@@ -425,6 +457,35 @@ def test_stacked_parameters_keep_the_per_layer_state_dict_and_load_both_ways(
     assert all(torch.equal(into_stacked.state_dict()[k], v) for k, v in expected.items())
 
 
+def test_stacked_parameters_load_partial_and_one_layer_state_dicts() -> None:
+    plain = _dropout_layers()
+    stacked = xla_wrap.ScannedLayers(copy.deepcopy(plain), stack_parameters=True)
+    before = stacked.state_dict()
+    partial = {k: v + 1 for k, v in plain.state_dict().items() if not k.startswith("2.")}
+    result = stacked.load_state_dict(partial, strict=False)
+    assert sorted(result.missing_keys) == sorted(k for k in before if k.startswith("2."))
+    after = stacked.state_dict()
+    for key in before:  # layers 0 and 1 loaded, layer 2's slices kept
+        expected = before[key] if key.startswith("2.") else before[key] + 1
+        assert torch.equal(after[key], expected), key
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*2\.1\.weight"):
+        stacked.load_state_dict(partial)
+    single = xla_wrap.ScannedLayers([nn.Linear(WIDTH, WIDTH)], stack_parameters=True)
+    single.load_state_dict(single.state_dict())  # per-layer entries of one layer, stacked
+
+
+def test_a_stacked_list_edited_afterwards_is_refused_until_unscanned() -> None:
+    layers = xla_wrap.ScannedLayers(_dropout_layers(), stack_parameters=True)
+    layers.append(_dropout_layers()[0])
+    for use in (layers.state_dict, lambda: xla_wrap.unscan(layers)):
+        with pytest.raises(xla_wrap.CheckpointError, match=r"positions \[0, 1, 2, None\].*unscan"):
+            use()
+    with pytest.raises(xla_wrap.CheckpointValueError, match="xla_wrap.unscan the list first"):
+        _loop(layers, torch.randn(2, WIDTH))
+    del layers[3]
+    assert xla_wrap.unscan(layers) is layers and len(list(layers.parameters())) == 3 * 6
+
+
 @pytest.mark.xla
 def test_stacked_parameters_leave_nothing_per_layer_in_the_compiled_program(
     xla_device: torch.device,
@@ -459,6 +520,12 @@ def test_stacked_parameters_refuse_tied_layers_and_slices_past_the_first() -> No
     tied = nn.ModuleList(nn.Sequential(shared, nn.Tanh()) for _ in range(2))
     with pytest.raises(xla_wrap.CheckpointValueError, match="shared with layer 0.*untie"):
         xla_wrap.ScannedLayers(tied, stack_parameters=True)
+    model = nn.Module()
+    model.first = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+    model.second = tied
+    with pytest.raises(xla_wrap.CheckpointValueError, match="xla_wrap.apply_scan: .*shared"):
+        xla_wrap.apply_scan(model, stack_parameters=True)
+    assert type(model.first) is nn.ModuleList  # refused before any list changed
     layers = xla_wrap.ScannedLayers(_dropout_layers(), stack_parameters=True)
     x = torch.randn(2, WIDTH)
     with pytest.raises(xla_wrap.CheckpointValueError, match=r"stack positions \[1, 2\]"):

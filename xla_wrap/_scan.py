@@ -135,27 +135,28 @@ class _LayerStack:
     stacked_storage: bool  # the parameters live stacked in layer 0 (xla_wrap._stacked)
 
     @classmethod
-    def of(cls, layers: Sequence[nn.Module]) -> _LayerStack:
+    def of(cls, layers: Sequence[nn.Module], api: str = _API) -> _LayerStack:
+        """The layers, checked; ``api`` names the caller in errors."""
         if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
             raise CheckpointTypeError(
-                f"{_API}: expected a sequence of layers (an nn.ModuleList), got one module "
+                f"{api}: expected a sequence of layers (an nn.ModuleList), got one module "
                 f"{type(layers).__qualname__}. Pass the list its forward loops over."
             )
         try:
             items = tuple(layers)
         except TypeError:
             raise CheckpointTypeError(
-                f"{_API}: expected a sequence of layers (an nn.ModuleList), got {describe(layers)}."
+                f"{api}: expected a sequence of layers (an nn.ModuleList), got {describe(layers)}."
             ) from None
         if not items:
             raise CheckpointValueError(
-                f"{_API}: expected at least one layer, got an empty sequence. With no layers "
+                f"{api}: expected at least one layer, got an empty sequence. With no layers "
                 "there is nothing to scan: call the code after the loop directly."
             )
         for i, layer in enumerate(items):
             if not isinstance(layer, nn.Module):
                 raise CheckpointTypeError(
-                    f"{_API}: expected nn.Module layers, got {describe(layer)} at position "
+                    f"{api}: expected nn.Module layers, got {describe(layer)} at position "
                     f"{i}. Pass modules; wrap a function as a module to scan it."
                 )
         first = items[0]
@@ -163,22 +164,32 @@ class _LayerStack:
         stacked_storage = slots[0] is not None
         if slots != (list(range(len(items))) if stacked_storage else [None] * len(items)):
             raise CheckpointValueError(
-                f"{_API}: expected the layers of a list with stacked parameters in order from "
+                f"{api}: expected the layers of a list with stacked parameters in order from "
                 f"its first (the whole list, or a slice [:n]), got layers at stack positions "
-                f"{slots}. Scan the list itself, or a prefix of it."
+                f"{slots}. Scan the list itself or a prefix of it; to add, remove or replace "
+                "layers, xla_wrap.unscan the list first and stack it again afterwards."
             )
         for i, layer in enumerate(items):
-            _check_runnable(i, layer)
+            _check_runnable(api, i, layer)
             if i:
-                _check_alike(first, i, layer, parameters=not stacked_storage)
+                _check_alike(api, first, i, layer, parameters=not stacked_storage)
         param_names = tuple(name for name, _ in first.named_parameters())
+        for i, layer in enumerate(items):
+            aliases = [name for name, _ in layer.named_parameters(remove_duplicate=False)]
+            if len(aliases) != len(tuple(layer.named_parameters())):
+                raise CheckpointValueError(
+                    f"{api}: expected each parameter of a layer under one name, got layer {i} "
+                    f"holding one under several ({', '.join(aliases)}). The scanned body gives "
+                    "each layer its parameters by name, and would give the second name layer "
+                    "0's: untie them in the layer, or keep the Python loop."
+                )
         shared: dict[str, torch.Tensor] = {}
-        stacked: list[str] = []
+        per_layer: list[str] = []
         for name, buffer in first.named_buffers():
             if all(layer.get_buffer(name) is buffer for layer in items):
                 shared[name] = buffer
             else:
-                stacked.append(name)
+                per_layer.append(name)
         options = {
             layer.checkpoint_options if isinstance(layer, CheckpointWrapper) else None
             for layer in items
@@ -186,7 +197,7 @@ class _LayerStack:
         return cls(
             layers=items,
             param_names=param_names,
-            buffer_names=tuple(stacked),
+            buffer_names=tuple(per_layer),
             shared_buffers=shared,
             wrapped_options=options.pop() if len(options) == 1 else None,
             stacked_storage=stacked_storage,
@@ -196,7 +207,7 @@ class _LayerStack:
     def template(self) -> nn.Module:
         return self.layers[0]
 
-    def stacked(self) -> list[torch.Tensor]:
+    def loop_inputs(self) -> list[torch.Tensor]:
         """Per parameter, then per stacked buffer: the layers' tensors stacked on a new first
         dimension (the loop slices one layer's out of each per iteration). Parameters in
         stacked storage are that already."""
@@ -215,16 +226,16 @@ class _LayerStack:
             for name in self.buffer_names
         ]
 
-    def layer_tensors(self, index: int) -> list[torch.Tensor]:
-        """Layer ``index``'s parameters and stacked buffers, in the order of :meth:`stacked`
-        (its slices of parameters in stacked storage)."""
-        layer = self.layers[index]
-        owner = self.template if self.stacked_storage else layer
-        # Through the slots, not get_parameter: a recomputation holds copies there.
-        params = [_held(owner, name, "_parameters") for name in self.param_names]
-        if self.stacked_storage:
-            params = [p[index] for p in params]
-        return params + [_held(layer, name, "_buffers") for name in self.buffer_names]
+    def layer_slices(self) -> list[list[torch.Tensor]]:
+        """Per layer, its slices of the parameters in stacked storage: one ``unbind`` per
+        parameter, so that backward sums the layers' gradients into the stack once."""
+        params = [self.template.get_parameter(name).unbind(0) for name in self.param_names]
+        return [[p[index] for p in params] for index in range(len(self.layers))]
+
+    def buffers_of(self, index: int) -> list[torch.Tensor]:
+        """Layer ``index``'s stacked buffers, in the order of :meth:`loop_inputs` (through
+        the slots: a recomputation holds its copies there)."""
+        return [_held(self.layers[index], name, "_buffers") for name in self.buffer_names]
 
     def call(
         self,
@@ -234,7 +245,7 @@ class _LayerStack:
         tensors: Sequence[torch.Tensor],
     ) -> Any:
         """Run the template layer with one layer's parameters and buffers (``tensors``, in
-        the order of :meth:`stacked`)."""
+        the order of :meth:`loop_inputs`)."""
         names = self.param_names + self.buffer_names
         mapping = dict(zip(names, tensors, strict=True))
         mapping.update(self.shared_buffers)
@@ -255,14 +266,14 @@ def _own_forward(layer: nn.Module) -> Any:
     return layer.unchecked_forward if isinstance(layer, CheckpointWrapper) else layer.forward
 
 
-def _check_runnable(index: int, layer: nn.Module) -> None:
+def _check_runnable(api: str, index: int, layer: nn.Module) -> None:
     """Refuse what cannot run as one traced body for every layer."""
     fsdp_v1 = _xla_fsdp_v1_class()
     for name, module in layer.named_modules():
         where = f"layer {index}" + (f" (its submodule {name!r})" if name else "")
         if fsdp_v1 is not None and isinstance(module, fsdp_v1):
             raise CheckpointValueError(
-                f"{_API}: {where} is an XLA FSDP (v1) unit, whose forward gathers and frees "
+                f"{api}: {where} is an XLA FSDP (v1) unit, whose forward gathers and frees "
                 "its parameters with per-module state that a loop body cannot hold. Scan the "
                 "plain layers and shard them with SPMD FSDPv2 (SpmdFullyShardedDataParallel "
                 "around the whole model, docs/scan.md), or keep the Python loop."
@@ -279,7 +290,7 @@ def _check_runnable(index: int, layer: nn.Module) -> None:
         ]
         if hooks:
             raise CheckpointValueError(
-                f"{_API}: {where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); "
+                f"{api}: {where} has module hooks ({', '.join(h.strip('_') for h in hooks)}); "
                 "a scanned stack runs one traced body for all layers, so per-layer hooks "
                 "cannot run. Remove them (or request no per-layer outputs, such as "
                 "output_hidden_states), or keep the Python loop."
@@ -293,7 +304,9 @@ def _harmless(hook: Any) -> bool:
     return bool(name.endswith("apply_backward_optimization_barrier.<locals>.optimization_barrier"))
 
 
-def _check_alike(first: nn.Module, index: int, layer: nn.Module, *, parameters: bool) -> None:
+def _check_alike(
+    api: str, first: nn.Module, index: int, layer: nn.Module, *, parameters: bool
+) -> None:
     """Refuse a layer built unlike layer 0 (with ``parameters``, also in its parameters: in
     stacked storage layer 0 holds all of them)."""
 
@@ -323,7 +336,7 @@ def _check_alike(first: nn.Module, index: int, layer: nn.Module, *, parameters: 
             f"class {type(layer).__qualname__} vs {type(first).__qualname__}",
         )
         raise CheckpointValueError(
-            f"{_API}: expected layers of one structure, got layer {index} differing from "
+            f"{api}: expected layers of one structure, got layer {index} differing from "
             f"layer 0 in {difference}. Scan a run of identically built layers; call the "
             "others in Python before or after."
         )
@@ -373,22 +386,26 @@ def _loop(
     stack: _LayerStack, args: tuple[Any, ...], kwargs: dict[str, Any], options: CheckpointOptions
 ) -> Any:
     """Off XLA: the loop itself, each layer checkpointed (in stacked storage, layer 0 run
-    on each layer's slices)."""
+    on each layer's slices, which the checkpoint takes as inputs)."""
     carry, rest = args[0], args[1:]
+    slices = stack.layer_slices() if stack.stacked_storage else None
     for index, layer in enumerate(stack.layers):
-        if stack.stacked_storage:
+        forward, call_kwargs = _own_forward(layer), kwargs
+        if slices is not None:
             forward = functools.partial(_run_slot, stack, index)
-            owners: tuple[nn.Module, ...] = (stack.template, layer)
-        else:
-            forward, owners = _own_forward(layer), (layer,)
+            call_kwargs = {**kwargs, _SLICES: slices[index]}
         carry = run_checkpointed(
-            _API, forward, (carry, *rest), kwargs, owners=owners, options=options
+            _API, forward, (carry, *rest), call_kwargs, owners=(layer,), options=options
         )
     return carry
 
 
+_SLICES = "_xla_wrap_parameter_slices"  # the keyword that hands _run_slot its layer's slices
+
+
 def _run_slot(stack: _LayerStack, index: int, carry: Any, *args: Any, **kwargs: Any) -> Any:
-    return stack.call(carry, args, kwargs, stack.layer_tensors(index))
+    params = kwargs.pop(_SLICES)
+    return stack.call(carry, args, kwargs, [*params, *stack.buffers_of(index)])
 
 
 # --- on XLA: two While loops under one autograd Function ---------------------------------
@@ -459,7 +476,7 @@ def _scan(stack: _LayerStack, carry: Flat, constants: Flat, options: CheckpointO
     device = next(
         t.device for t in (*carry.tensors, *stack.template.parameters()) if _xla.is_xla_tensor(t)
     )
-    stacked = stack.stacked()
+    stacked = stack.loop_inputs()
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (*carry.tensors, *constants.tensors, *stacked)
     )

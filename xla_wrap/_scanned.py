@@ -97,7 +97,16 @@ class ScannedLayers(nn.ModuleList):
         return scan_layers(layers, *args, **self.scan_options, **kwargs)
 
     def __repr__(self) -> str:
-        return nn.Module.__repr__(self)  # ModuleList's own iterates, and would see stand-ins
+        if not self.parameters_stacked:
+            return nn.Module.__repr__(self)  # ModuleList's own iterates: it would see stand-ins
+        # The other layers hold no parameters, which their modules' own reprs may read.
+        count = len(self)
+        first = nn.Module.__repr__(self[0]).replace("\n", "\n  ")
+        others = "" if count == 1 else f"({1 if count == 2 else f'1-{count - 1}'}): as layer 0, "
+        return (
+            f"ScannedLayers(\n  (0): {first}\n  {others}parameters stacked in layer 0 "
+            f"({count} layers)\n)"
+        )
 
 
 class _StackRun:
@@ -184,7 +193,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _stack(api: str, layers: nn.ModuleList) -> None:
-    stack = _LayerStack.of(list(layers._modules.values()))
+    stack = _LayerStack.of(list(layers._modules.values()), api)
     if stack.stacked_storage:
         return
     _stacked.stack(api, layers, stack.param_names)
@@ -252,10 +261,12 @@ def apply_scan(
         if check_fn is not None and not all(check_fn(layer) for layer in module):
             continue
         try:
-            _LayerStack.of(list(module))
+            stack = _LayerStack.of(list(module), api)
         except (CheckpointTypeError, CheckpointValueError) as error:
             reasons.append(f"{name or 'the model'}: {str(error).rstrip('.')}")
             continue
+        if stack_parameters:  # refused before any list changes
+            _stacked.check_stackable(api, stack.layers, stack.param_names)
         found.append(module)
         inside.update(id(m) for m in module.modules())
     if not found:

@@ -22,21 +22,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import CheckpointValueError
+from . import _xla
+from ._errors import CheckpointError, CheckpointValueError
 
 # In a layer's __dict__: its index on the stacked parameters' first dimension.
 _SLOT = "_xla_wrap_stack_slot"
-# In the list's __dict__: set while its parameters are stacked.
+# In the list's __dict__, while its parameters are stacked: how many layers they hold.
 _STACKED = "_xla_wrap_parameters_stacked"
+# The children through which wrappers (FSDPv2 and FSDP units, torch's checkpoint_wrapper) hold
+# the layer they wrap; xla_wrap's own checkpoint_wrapper keeps the layer itself.
+_WRAPPED_CHILDREN = ("_orig_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def slot(layer: nn.Module) -> int | None:
-    """The layer's index in stacked storage (looking inside wrappers such as FSDPv2 units),
-    or None for a layer with parameters of its own."""
-    for module in layer.modules():
+    """The layer's index in stacked storage (looking through wrappers such as FSDPv2
+    units), or None for a layer with parameters of its own."""
+    module: nn.Module | None = layer
+    while module is not None:
         if _SLOT in module.__dict__:
             index: int = module.__dict__[_SLOT]
             return index
+        module = next((module._modules[c] for c in _WRAPPED_CHILDREN if c in module._modules), None)
     return None
 
 
@@ -44,20 +50,34 @@ def is_stacked(layers: nn.Module) -> bool:
     return _STACKED in layers.__dict__
 
 
-def stack(api: str, layers: nn.ModuleList, param_names: Sequence[str]) -> None:
-    """Move every layer's parameters into layer 0, stacked per name, in place. The layers
-    were checked to be alike (same names, shapes, dtypes and ``requires_grad``)."""
-    items = list(layers._modules.values())
+def check_stackable(api: str, layers: Sequence[nn.Module], param_names: Sequence[str]) -> None:
+    """Refuse layers whose parameters stacking would untie or unshard. The layers were
+    checked to be alike (same names, shapes, dtypes and ``requires_grad``, each parameter
+    under one name)."""
     owners: dict[int, int] = {}
-    for i, layer in enumerate(items):
+    for i, layer in enumerate(layers):
         for name in param_names:
-            first = owners.setdefault(id(layer.get_parameter(name)), i)
+            param = layer.get_parameter(name)
+            first = owners.setdefault(id(param), i)
             if first != i:
                 raise CheckpointValueError(
                     f"{api}: expected each layer to own its parameters, got {name!r} of layer "
                     f"{i} shared with layer {first}. Stacked storage keeps one slice per "
                     "layer and would untie them: pass stack_parameters=False."
                 )
+            if _xla.sharding_spec(param):
+                raise CheckpointValueError(
+                    f"{api}: expected unsharded parameters, got {name!r} of layer {i} sharded "
+                    "already (FSDPv2 wraps the model before stacking?). Stacking would replace "
+                    "it unsharded: stack the parameters first, then wrap the model with FSDPv2."
+                )
+
+
+def stack(api: str, layers: nn.ModuleList, param_names: Sequence[str]) -> None:
+    """Move every layer's parameters into layer 0, stacked per name, in place (for a moment
+    the weights exist twice: the layers' and the stack)."""
+    items = list(layers._modules.values())
+    check_stackable(api, items, param_names)
     for name in param_names:
         path, _, leaf = name.rpartition(".")
         tensors = [layer.get_parameter(name) for layer in items]
@@ -72,12 +92,25 @@ def stack(api: str, layers: nn.ModuleList, param_names: Sequence[str]) -> None:
         layer.__dict__[_SLOT] = i
     layers.register_state_dict_post_hook(_per_layer_state)
     layers.register_load_state_dict_pre_hook(_stack_loaded_state)
-    layers.__dict__[_STACKED] = True
+    layers.__dict__[_STACKED] = len(items)
+
+
+def check_unchanged(api: str, layers: nn.Module) -> None:
+    """Refuse a list with stacked parameters whose layers were since replaced, added or
+    removed: its stack no longer says which parameters belong to which layer."""
+    slots = [slot(layer) for layer in layers._modules.values() if layer is not None]
+    if slots != list(range(layers.__dict__[_STACKED])):
+        raise CheckpointError(
+            f"{api}: expected the layers a list with stacked parameters was built with, in "
+            f"order, got layers at stack positions {slots} (a layer replaced, added or "
+            "removed). Edit such a list only after xla_wrap.unscan(layers), then stack again."
+        )
 
 
 def unstack(layers: nn.ModuleList) -> None:
     """Undo :func:`stack` in place: each layer its own parameters again (new tensors, so an
     optimizer built before must be built again)."""
+    check_unchanged("xla_wrap.unscan", layers)
     items = list(layers._modules.values())
     template = items[0]
     for name, stacked in list(template.named_parameters()):
@@ -111,6 +144,7 @@ def _per_layer_state(
     layer, in the order an unscanned list has them. With ``keep_vars`` (the entry is the
     parameter itself) they are views of it; otherwise copies, since savers such as
     safetensors refuse tensors that share memory."""
+    check_unchanged(f"{type(layers).__name__}.state_dict", layers)
     count = len(layers._modules)
     names = set(_stacked_names(layers))
     first = f"{prefix}0."
@@ -149,12 +183,25 @@ def _stack_loaded_state(
     error_msgs: list[str],
 ) -> None:
     """load_state_dict pre-hook: per-layer entries of each stacked parameter become the one
-    stacked entry layer 0 loads (entries already stacked load as they are)."""
+    stacked entry layer 0 loads (an entry already stacked loads as it is). A layer's entry
+    missing is reported missing; its slice keeps the current values."""
+    check_unchanged(f"{type(layers).__name__}.load_state_dict", layers)
     count = len(layers._modules)
     for name in _stacked_names(layers):
+        param = layers.get_parameter(f"0.{name}")
         keys = [f"{prefix}{i}.{name}" for i in range(count)]
-        if count > 1 and all(k in state_dict for k in keys):
-            state_dict[keys[0]] = torch.stack([state_dict.pop(k) for k in keys])
+        present = [state_dict[k] for k in keys if k in state_dict]
+        if not present or (keys[0] in state_dict and state_dict[keys[0]].shape == param.shape):
+            continue
+        like = present[0]
+        pieces = []
+        for i, key in enumerate(keys):
+            if key in state_dict:
+                pieces.append(state_dict.pop(key))
+            else:
+                missing_keys.append(key)
+                pieces.append(param.detach()[i].to(device=like.device, dtype=like.dtype))
+        state_dict[keys[0]] = torch.stack(pieces)
 
 
 def per_layer_gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:

@@ -123,9 +123,13 @@ def shard_like(tensor: torch.Tensor, op_sharding: object) -> None:
     torch_xla._XLAC._xla_mark_sharding(tensor, op_sharding)
 
 
-# A tiled sharding as torch_xla prints it: "{devices=[4,1,1]0,1,2,3}", optionally replicated
-# over the last tile dimension.
-_TILED_SPEC = re.compile(r"\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}")
+# A tiled sharding as torch_xla prints it: "{devices=[4,1,1]0,1,2,3}" or, with the devices as
+# an iota, "{devices=[4,1,1]<=[4]}" ("<=[2,2]T(1,0)": reshaped and transposed), optionally
+# replicated over the last tile dimension.
+_TILED_SPEC = re.compile(
+    r"\{devices=\[([\d,]+)\](?:([\d,]+)|<=\[([\d,]+)\](?:T\(([\d,]+)\))?)"
+    r"( last_tile_dim_replicate)?\}"
+)
 
 
 def sharding_spec(tensor: torch.Tensor) -> str:
@@ -140,20 +144,43 @@ def shard_by_spec(tensor: torch.Tensor, spec: str, *, leading: int = 0) -> bool:
     """Annotate the XLA ``tensor`` with the tiled sharding ``spec`` (from
     :func:`sharding_spec`), after ``leading`` new replicated dimensions (a stack of tensors
     sharded as ``spec``). Returns False, annotating nothing, for a spec that is not tiled."""
-    match = _TILED_SPEC.fullmatch(spec)
-    if match is None:
+    tiling = tiled_sharding(spec)
+    if tiling is None:
+        if spec and not spec.startswith(("{replicated", "{maximal", "{manual")):
+            _warn_unread_sharding_once(spec)
+        return False
+    tiles, devices, sharded = tiling
+    if tensor.dim() != leading + sharded:
         return False
     import numpy as np
     import torch_xla.distributed.spmd as xs
 
-    tiles = tuple(int(d) for d in match.group(1).split(","))
-    devices = np.array([int(d) for d in match.group(2).split(",")])
-    sharded = len(tiles) - (1 if match.group(3) else 0)  # the last tile axis: replicas
-    if tensor.dim() != leading + sharded:
-        return False
-    mesh = xs.Mesh(devices, tiles)
+    mesh = xs.Mesh(np.array(devices), tiles)
     xs.mark_sharding(tensor, mesh, (None,) * leading + tuple(range(sharded)))
     return True
+
+
+def tiled_sharding(spec: str) -> tuple[tuple[int, ...], list[int], int] | None:
+    """A tiled sharding spec read: its tile counts per dimension, its devices in tile
+    order, and how many of the dimensions are the tensor's (not trailing replicas); None for
+    any other spec."""
+    match = _TILED_SPEC.fullmatch(spec)
+    if match is None:
+        return None
+
+    def numbers(text: str) -> list[int]:
+        return [int(d) for d in text.split(",")]
+
+    tiles = tuple(numbers(match.group(1)))
+    if match.group(2):
+        devices = numbers(match.group(2))
+    else:  # an iota of devices, reshaped and maybe transposed
+        shape = numbers(match.group(3))
+        ids = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+        if match.group(4):
+            ids = ids.permute(numbers(match.group(4)))
+        devices = ids.reshape(-1).tolist()
+    return tiles, devices, len(tiles) - (1 if match.group(5) else 0)
 
 
 @functools.cache
@@ -167,6 +194,16 @@ def layer_slice_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.
     return (
         xor.register("xla_wrap_layer_slice", dynamic_slice),
         xor.register("xla_wrap_layer_overwrite", dynamic_update_slice),
+    )
+
+
+@functools.cache
+def _warn_unread_sharding_once(spec: str) -> None:
+    warnings.warn(
+        f"xla_wrap.scan_layers: cannot read the sharding {spec!r}, so the stacked carries are "
+        "left to XLA's sharding propagation, which may partition the backward loop another "
+        "way than the forward (more FLOPs per device). Please report this sharding.",
+        stacklevel=_caller_stacklevel(),
     )
 
 
