@@ -491,6 +491,7 @@ def test_unusual_but_valid_functions_match_unwrapped(device: torch.device, funct
         out = run(x, w)
         outs = out if isinstance(out, tuple) else (out,)
         sum(o.sum() for o in outs).backward()
+        sync(device)  # one program for both reads
         grads.append((x.grad.cpu(), None if w.grad is None else w.grad.cpu()))
     (xa, wa), (xb, wb) = grads
     torch.testing.assert_close(xb, xa, rtol=1e-5, atol=1e-6)
