@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 test: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# Every checkpointing tool side by side on XLA:CPU (about 6 minutes on 2 cores).
+# Every checkpointing tool side by side on XLA:CPU (about 7 minutes on 2 cores).
 demo: venv
 	$(PY) -m xla_wrap.bench --out bench-results
 
