@@ -589,6 +589,20 @@ def test_a_layer_that_returns_another_structure_or_writes_a_buffer_is_refused(
         xla_wrap.scan_layers(norms, torch.randn(3, 2, device=xla_device))
 
 
+def test_on_eager_cpu_a_layer_returning_more_than_its_carry_is_refused_as_on_xla() -> None:
+    class WithExtras(nn.Module):  # as Falcon's and Bloom's layers: (hidden states, None)
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return self.lin(x), None
+
+    layers = nn.ModuleList(WithExtras() for _ in range(2))
+    with pytest.raises(xla_wrap.CheckpointTypeError, match="return its carry's structure"):
+        xla_wrap.scan_layers(layers, torch.randn(2, WIDTH))
+
+
 @pytest.mark.xla
 def test_xla_fsdp_v1_units_are_refused(xla_device: torch.device) -> None:
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP

@@ -394,9 +394,11 @@ def _loop(
         if slices is not None:
             forward = functools.partial(_run_slot, stack, index)
             call_kwargs = {**kwargs, _SLICES: slices[index]}
+        given = Flat.of(carry)
         carry = run_checkpointed(
             _API, forward, (carry, *rest), call_kwargs, owners=(layer,), options=options
         )
+        _check_carry(given, given.tensors, Flat.of(carry))  # refused as on XLA
     return carry
 
 
@@ -442,15 +444,7 @@ class _Scan:
     ) -> Flat:
         args, kwargs = self.constants.rebuild(constants)
         out = Flat.of(self.stack.call(self.carry.rebuild(carry), args, kwargs, layer))
-        expected = [TensorMeta.of(t) for t in carry]
-        got = [TensorMeta.of(t) for t in out.tensors]
-        if out.spec != self.carry.spec or got != expected:
-            raise CheckpointTypeError(
-                f"{_API}: expected each layer to return its carry's structure "
-                f"({_shape_of(self.carry, expected)}), got {_shape_of(out, got)}. A scanned "
-                "layer returns what the next layer takes as its first argument; adapt a layer "
-                "that returns more (a tuple with extras) with a small wrapper module."
-            )
+        _check_carry(self.carry, carry, out)
         return out
 
     @contextmanager
@@ -460,6 +454,19 @@ class _Scan:
         _xla.set_rng_state(self.device, self.seed)
         with _autocast.replay(self.autocast), torch.enable_grad():
             yield
+
+
+def _check_carry(spec: Flat, carry: Sequence[torch.Tensor], out: Flat) -> None:
+    """Refuse a layer's output that is not its carry's structure (``spec``, ``carry``)."""
+    expected = [TensorMeta.of(t) for t in carry]
+    got = [TensorMeta.of(t) for t in out.tensors]
+    if out.spec != spec.spec or got != expected:
+        raise CheckpointTypeError(
+            f"{_API}: expected each layer to return its carry's structure "
+            f"({_shape_of(spec, expected)}), got {_shape_of(out, got)}. A scanned "
+            "layer returns what the next layer takes as its first argument; adapt a layer "
+            "that returns more (a tuple with extras) with a small wrapper module."
+        )
 
 
 def _shape_of(flat: Flat, metas: Sequence[TensorMeta]) -> str:
