@@ -434,4 +434,3 @@ def test_scanned_with_stacked_parameters_is_bitwise_or_refused(reference: Refere
     assert got.keys() == expected.keys()
     for key, grad in expected.items():  # None only for frozen ones (Marian's positions)
         assert (got[key] is None) if grad is None else torch.equal(got[key], grad), key
-
