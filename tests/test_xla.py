@@ -58,6 +58,35 @@ def test_xla_rng_stream_and_state_match_unwrapped_across_steps(xla_device: torch
     assert not torch.equal(plain_steps[0]["loss"], plain_steps[1]["loss"])  # masks do change
 
 
+def test_the_step_base_seed_is_read_from_the_device_only_when_the_chain_breaks(
+    xla_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading the base seed from the device waits for the work queued on it (the previous
+    step's execution): a replay reads it in the first step only, and again after the user
+    reseeds, with the random stream still the unwrapped model's."""
+    import torch_xla.core.xla_model as xm
+
+    from xla_wrap import _xla
+
+    reads = []
+    read = _xla.base_seed
+    monkeypatch.setattr(_xla, "base_seed", lambda device: reads.append(device) or read(device))
+    torch.manual_seed(0)
+    model = Stack().to(xla_device)
+    twin = wrapped_copy(model, wrap_blocks)
+    runs = []
+    for m in (model, twin):
+        seed_everything(xla_device, 21)
+        steps = [train_step(m, xla_device, seed=None) for _ in range(3)]
+        xm.set_rng_state(77, str(xla_device))  # the user reseeds: the kept seed is stale
+        steps += [train_step(m, xla_device, seed=None) for _ in range(2)]
+        runs.append(steps)
+    for plain, wrapped in zip(*runs, strict=True):
+        for key in plain:
+            torch.testing.assert_close(wrapped[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert len(reads) == 2  # the twin's first step, and its first step after the reseed
+
+
 def test_user_seed_set_after_backward_is_kept(xla_device: torch.device) -> None:
     import torch_xla
     import torch_xla.core.xla_model as xm

@@ -94,6 +94,26 @@ def _replay_xla(device: torch.device, seed: int) -> Iterator[None]:
         _StepBaseSeed.note_set(device, outside)
 
 
+# How many random draws after the step's start a replay looks back for the base seed a step
+# closure kept, before it reads the base seed from the device instead.
+_DRAWS_LOOKED_BACK = 4096
+
+
+def _base_seed(device: torch.device) -> int:
+    """The base seed of the device's current step. Reading it from the device waits for the
+    work queued on it (the previous step's execution, under SPMD on XLA:CPU: 0.5 s a step),
+    so the seed the last step's closure kept is used when the running seed is that seed
+    advanced by the step's draws so far (a user's reseed since breaks the chain)."""
+    kept = local.next_base_seeds.pop(device, None)
+    if kept is not None:
+        running, seed = _xla.rng_state(device), kept
+        for _ in range(_DRAWS_LOOKED_BACK):
+            if seed == running:
+                return kept
+            seed = _xla.advance_seed(seed)
+    return _xla.base_seed(device)
+
+
 class _StepBaseSeed:
     """Per device and thread: the base seed of the current step, from the first replay in the
     step until the step marker, and the last seed a replay wrote.
@@ -113,19 +133,22 @@ class _StepBaseSeed:
 
     @classmethod
     def remember(cls, device: torch.device) -> None:
-        table = cls._table()
+        table, next_bases = cls._table(), local.next_base_seeds  # the replaying thread's
         if device in table:
             return
-        table[device] = entry = cls(_xla.base_seed(device))
+        table[device] = entry = cls(_base_seed(device))
 
         def restore_next_step_seed() -> None:
             table.pop(device, None)
-            if entry.last_set is None:
-                return
             # Act only if the step marker advanced the seed a replay wrote; if the user seeded
             # the device after the replay, their seed stands.
-            if _xla.rng_state(device) == _xla.next_step_seed(entry.last_set):
+            if entry.last_set is not None and _xla.rng_state(device) == _xla.next_step_seed(
+                entry.last_set
+            ):
                 _xla.set_rng_state(device, _xla.next_step_seed(entry.base))
+            # After the marker the running seed is the next step's base seed: kept, so that
+            # the next step's first replay need not read it from the device.
+            next_bases[device] = _xla.rng_state(device)
 
         _xla.add_step_closure(restore_next_step_seed)
 

@@ -1,8 +1,8 @@
 """The package's one piece of mutable state: what the current thread is doing right now.
 
 Every field is per thread and is changed only by a context manager that puts the previous
-value back in ``finally`` (the RNG step table is the one exception: a step closure empties it
-at the step marker it belongs to), so an exception cannot leave a flag stuck and two threads
+value back in ``finally`` (the RNG step tables are the exception: a step closure updates them
+at the step marker they belong to), so an exception cannot leave a flag stuck and two threads
 never see each other's checkpoints.
 """
 
@@ -28,6 +28,8 @@ class ThreadState(threading.local):
         # Per XLA device: the base seed of the current step and the last seed a replay wrote;
         # see _rng.
         self.step_seeds: dict[Any, Any] = {}
+        # Per XLA device: the base seed a step closure saw the next step start from; see _rng.
+        self.next_base_seeds: dict[Any, int] = {}
 
 
 local = ThreadState()
