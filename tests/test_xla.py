@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -39,21 +40,35 @@ def _used_barrier_outputs(hlo: str) -> list[str]:
     return shapes
 
 
-def test_xla_rng_stream_and_state_match_unwrapped_across_steps(xla_device: torch.device) -> None:
-    import torch_xla.core.xla_model as xm
-
+def _plain_and_wrapped_runs(device: torch.device, run: Any) -> list[Any]:
+    """``run(model)`` on an unwrapped stack and on its checkpointed twin, each from seed 21."""
     torch.manual_seed(0)
-    model = Stack().to(xla_device)
+    model = Stack().to(device)
     twin = wrapped_copy(model, wrap_blocks)
     runs = []
     for m in (model, twin):
-        seed_everything(xla_device, 21)
-        steps = [train_step(m, xla_device, seed=None) for _ in range(3)]
-        runs.append((steps, xm.get_rng_state(str(xla_device))))
-    (plain_steps, plain_state), (wrapped_steps, wrapped_state) = runs
+        seed_everything(device, 21)
+        runs.append(run(m))
+    return runs
+
+
+def _assert_steps_alike(plain_steps: list[dict], wrapped_steps: list[dict]) -> None:
     for plain, wrapped in zip(plain_steps, wrapped_steps, strict=True):
         for key in plain:
             torch.testing.assert_close(wrapped[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_xla_rng_stream_and_state_match_unwrapped_across_steps(xla_device: torch.device) -> None:
+    import torch_xla.core.xla_model as xm
+
+    def three_steps(m: nn.Module) -> tuple[list[dict], int]:
+        steps = [train_step(m, xla_device, seed=None) for _ in range(3)]
+        return steps, xm.get_rng_state(str(xla_device))
+
+    (plain_steps, plain_state), (wrapped_steps, wrapped_state) = _plain_and_wrapped_runs(
+        xla_device, three_steps
+    )
+    _assert_steps_alike(plain_steps, wrapped_steps)
     assert wrapped_state == plain_state
     assert not torch.equal(plain_steps[0]["loss"], plain_steps[1]["loss"])  # masks do change
 
@@ -71,19 +86,13 @@ def test_the_step_base_seed_is_read_from_the_device_only_when_the_chain_breaks(
     reads = []
     read = _xla.base_seed
     monkeypatch.setattr(_xla, "base_seed", lambda device: reads.append(device) or read(device))
-    torch.manual_seed(0)
-    model = Stack().to(xla_device)
-    twin = wrapped_copy(model, wrap_blocks)
-    runs = []
-    for m in (model, twin):
-        seed_everything(xla_device, 21)
+
+    def steps_with_a_reseed(m: nn.Module) -> list[dict]:
         steps = [train_step(m, xla_device, seed=None) for _ in range(3)]
         xm.set_rng_state(77, str(xla_device))  # the user reseeds: the kept seed is stale
-        steps += [train_step(m, xla_device, seed=None) for _ in range(2)]
-        runs.append(steps)
-    for plain, wrapped in zip(*runs, strict=True):
-        for key in plain:
-            torch.testing.assert_close(wrapped[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+        return steps + [train_step(m, xla_device, seed=None) for _ in range(2)]
+
+    _assert_steps_alike(*_plain_and_wrapped_runs(xla_device, steps_with_a_reseed))
     assert len(reads) == 2  # the twin's first step, and its first step after the reseed
 
 

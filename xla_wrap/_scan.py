@@ -743,9 +743,7 @@ def _backward_loop(
         grad_consts = [next(it) for g in want_const if g]
         grad_layer = [next(it) for g in want_layer if g]
         acc = [a + g for a, g in zip(acc, grad_consts, strict=True)]
-        grad_stacks = [
-            overwrite(s, g.to(s.dtype), index) for s, g in zip(grad_stacks, grad_layer, strict=True)
-        ]
+        grad_stacks = [overwrite(s, g, index) for s, g in zip(grad_stacks, grad_layer, strict=True)]
         return (grad_in, list(consts), acc, grad_stacks, index - 1), []
 
     for grad, spec in zip(grads, scan.carry_specs, strict=False):

@@ -267,18 +267,18 @@ def apply_scan(
             continue
         if stack_parameters:  # refused before any list changes
             _stacked.check_stackable(api, stack.layers, stack.param_names)
-        found.append(module)
+        found.append((module, stack))
         inside.update(id(m) for m in module.modules())
     if not found:
         detail = ("; ".join(reasons)) if reasons else "it has no nn.ModuleList of layers"
         raise CheckpointValueError(
             f"{api}: found no layer list to scan in {type(model).__name__}: {detail}."
         )
-    for module in found:
+    for module, stack in found:
         module.__class__ = ScannedLayers
         module.__dict__[_OPTIONS] = options
-        if stack_parameters:
-            _stack(api, module)
+        if stack_parameters and not stack.stacked_storage:
+            _stacked.stack(api, module, stack.param_names)
     return model
 
 

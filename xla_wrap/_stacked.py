@@ -149,27 +149,25 @@ def _per_layer_state(
     names = set(_stacked_names(layers))
     first = f"{prefix}0."
     layer_keys = [k[len(first) :] for k in state_dict if k.startswith(first)]  # layer 0's order
-    items = list(state_dict.items())
+    entries = dict(state_dict)
     state_dict.clear()
     placed = False
-    for key, value in items:
-        index, _, name = key[len(prefix) :].partition(".")
+    for key, value in entries.items():
+        index = key[len(prefix) :].partition(".")[0]
         if not (key.startswith(prefix) and index.isdigit() and int(index) < count):
             state_dict[key] = value
-            continue
-        if placed:
-            continue
-        placed = True  # all layers' entries go where the first one was
-        stacked = {n: v for n, v in items if n.startswith(first) and n[len(first) :] in names}
-        own = dict(items)
-        for i in range(count):
-            for name in layer_keys:
-                if name in names:
-                    whole = stacked[first + name]
-                    piece = whole[i] if isinstance(whole, nn.Parameter) else whole[i].clone()
-                    state_dict[f"{prefix}{i}.{name}"] = piece
-                elif f"{prefix}{i}.{name}" in own:
-                    state_dict[f"{prefix}{i}.{name}"] = own[f"{prefix}{i}.{name}"]
+        elif not placed:  # all layers' entries go where the first one was
+            placed = True
+            for i in range(count):
+                for name in layer_keys:
+                    own = f"{prefix}{i}.{name}"
+                    if name in names:
+                        whole = entries[first + name]
+                        state_dict[own] = (
+                            whole[i] if isinstance(whole, nn.Parameter) else whole[i].clone()
+                        )
+                    elif own in entries:
+                        state_dict[own] = entries[own]
 
 
 def _stack_loaded_state(
