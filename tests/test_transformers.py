@@ -324,3 +324,34 @@ def test_every_n_layers_is_the_plan_that_fully_recomputes_every_nth_layer() -> N
     calls = _record_calls(model)
     _step(model, _ids())
     assert calls == [[False, True], [False], [False, True], [False]]  # as every_n_layers=2
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_scan_refuses_gpt2_when_its_attention_scales_by_the_layer_index(
+    stacked: bool, device: torch.device
+) -> None:
+    """``scale_attn_by_inverse_layer_idx=True`` divides each layer's attention scores by its
+    ``layer_idx + 1`` (a ``scaling`` its forward reads): a scan would use layer 0's for all.
+    By default GPT-2 reads nothing that differs (its index only for a cache, which training
+    does not pass) and scans (test above)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            scale_attn_by_inverse_layer_idx=True,
+            use_cache=False,
+        )
+    )
+    xla_hf.gradient_checkpointing_enable(model, scan=True, stack_parameters=stacked)
+    model.to(device)
+    head_scale = (32 / 4) ** -0.5  # 1 / sqrt(head_dim), then / (layer_idx + 1)
+    ours, theirs = (f"{v:.9f}"[:7] for v in (head_scale, head_scale / 2))  # 5 digits, unrounded
+    expected = rf"layer 1's 'attn.scaling' = {theirs}\d* where layer 0 has {ours}"
+    with pytest.raises(xla_wrap.CheckpointError, match=expected):
+        _step(model, _ids(device))

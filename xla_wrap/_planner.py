@@ -48,7 +48,6 @@ from ._plan_solver import (
     objective,
     solve,
 )
-from ._scan import plain_settings
 from ._scanned import ScannedLayers
 from ._wrapper import CheckpointWrapper, checkpoint_in_place, unwrap
 from .wrap import Policy
@@ -523,9 +522,26 @@ def _signature(call: _Call) -> object:
         module.training,
         tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in module.named_parameters()),
         tuple((n, tuple(t.shape), t.dtype) for n, t in module.named_buffers()),
-        tuple((n, type(m), m.training, plain_settings(m)) for n, m in module.named_modules()),
+        tuple((n, type(m), m.training, _plain_settings(m)) for n, m in module.named_modules()),
         str(spec),
         tuple(repr(v) for v in flat),
+    )
+
+
+# Plain attributes that differ per layer by construction and, in transformers, only index a
+# cache: blocks differing in them alone are costed once (a guess the compiled check verifies).
+_LAYER_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+
+
+def _plain_settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    """A module's plain settings (numbers, strings, flags), which may change its costs."""
+    return tuple(
+        (k, v)
+        for k, v in sorted(vars(module).items())
+        if not k.startswith("_")
+        and k not in _LAYER_INDEX_ATTRIBUTES
+        and k != "training"
+        and isinstance(v, (bool, int, float, str, type(None), tuple))
     )
 
 

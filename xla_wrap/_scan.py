@@ -6,8 +6,8 @@ an XLA While loop, compiled once whatever the trip count. Its autograd layer tra
 with AOTAutograd, which leaves no room for save policies, offload, keyword arguments or
 Dropout (on torch_xla 2.9 a mask residual crashes the lowering), and re-traces every step.
 
-Here torch_xla's While lowering (``_scan_impl_pytree``) runs twice under one autograd
-Function, with bodies written by hand:
+Here torch_xla's While lowering (``_scan_impl_pytree``, through ``_xla.while_loop``) runs
+twice under one autograd Function, with bodies written by hand:
 
 * forward: each layer runs on its slice of the stacked parameters and buffers; the scan stacks
   each layer's input carry and the values the save policy keeps;
@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from . import _autocast, _offload, _rng, _selective, _stacked, _xla
+from . import _alike, _autocast, _offload, _rng, _selective, _stacked, _xla
 from . import checkpoint_policies as cp
 from ._checkpoint import run_checkpointed
 from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
@@ -92,8 +92,9 @@ def scan_layers(
             returns something other than its carry's structure.
         CheckpointValueError: If the layers differ in structure, carry hooks, or are XLA FSDP
             units (v1), which cannot run inside a loop body.
-        CheckpointError: If a layer modifies a buffer or an argument in place, or runs
-            differently when recomputed.
+        CheckpointError: If a layer's forward reads an attribute in which the layers differ
+            (layer 0's would be used for all), modifies a buffer or an argument in place, or
+            runs differently when recomputed.
 
     Example:
         >>> import torch, xla_wrap
@@ -101,20 +102,33 @@ def scan_layers(
         >>> y = xla_wrap.scan_layers(layers, torch.randn(2, 8), policy="dots_saveable")
         >>> y.sum().backward()
     """
-    stack = _LayerStack.of(layers)
-    options = make_options(_API, policy=policy, offload_to_cpu=offload_to_cpu)
+    return run_scan(_API, layers, args, kwargs, policy=policy, offload_to_cpu=offload_to_cpu)
+
+
+def run_scan(
+    api: str,
+    layers: Sequence[nn.Module],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    policy: cp.SavePolicy | str | None,
+    offload_to_cpu: bool,
+) -> Any:
+    """:func:`scan_layers`, with ``api`` naming the caller in errors."""
+    stack = _LayerStack.of(layers, api)
+    options = make_options(api, policy=policy, offload_to_cpu=offload_to_cpu)
     if stack.wrapped_options is not None and policy is None and not offload_to_cpu:
         options = stack.wrapped_options
     if not args:
         raise CheckpointTypeError(
-            f"{_API}: expected the carry as the first positional argument after the layers, "
+            f"{api}: expected the carry as the first positional argument after the layers, "
             "got none. Call it as scan_layers(layers, x, ...), as the loop calls layer(x, ...)."
         )
     carry = Flat.of(args[0])
     constants = Flat.of((args[1:], kwargs))
     if not carry.tensors:
         raise CheckpointTypeError(
-            f"{_API}: expected a tensor (or a structure of tensors) as the carry, got "
+            f"{api}: expected a tensor (or a structure of tensors) as the carry, got "
             f"{describe(args[0])}. The first positional argument is what each layer passes on."
         )
     params = [p for layer in layers for p in layer.parameters()]
@@ -133,6 +147,8 @@ class _LayerStack:
     shared_buffers: dict[str, torch.Tensor]  # one tensor all layers hold: passed once
     wrapped_options: CheckpointOptions | None  # the layers were checkpoint-wrapped alike
     stacked_storage: bool  # the parameters live stacked in layer 0 (xla_wrap._stacked)
+    differences: _alike.AttributeDifferences  # what forward must not read (xla_wrap._alike)
+    api: str  # the API the stack is run through, for errors
 
     @classmethod
     def of(cls, layers: Sequence[nn.Module], api: str = _API) -> _LayerStack:
@@ -172,7 +188,7 @@ class _LayerStack:
         for i, layer in enumerate(items):
             _check_runnable(api, i, layer)
             if i:
-                _check_alike(api, first, i, layer, parameters=not stacked_storage)
+                _alike.check_structure(api, first, i, layer, parameters=not stacked_storage)
         param_names = tuple(name for name, _ in first.named_parameters())
         for i, layer in enumerate(items):
             aliases = [name for name, _ in layer.named_parameters(remove_duplicate=False)]
@@ -201,6 +217,8 @@ class _LayerStack:
             shared_buffers=shared,
             wrapped_options=options.pop() if len(options) == 1 else None,
             stacked_storage=stacked_storage,
+            differences=_alike.AttributeDifferences.of(items),
+            api=api,
         )
 
     @property
@@ -249,8 +267,24 @@ class _LayerStack:
         names = self.param_names + self.buffer_names
         mapping = dict(zip(names, tensors, strict=True))
         mapping.update(self.shared_buffers)
-        with _reparametrize_module(self.template, mapping):
+        with (
+            _reparametrize_module(self.template, mapping),
+            self.differences.watching(self.api, self.template),
+        ):
             return _own_forward(self.template)(carry, *args, **kwargs)
+
+    def own_forward(self, layer: nn.Module) -> Any:
+        """``layer``'s own forward, for the eager loop: refused, as the template would be,
+        where it reads an attribute in which the layers differ."""
+        forward = _own_forward(layer)
+        if not self.differences:
+            return forward
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            with self.differences.watching(self.api, layer):
+                return forward(*args, **kwargs)
+
+        return watched
 
 
 def _held(module: nn.Module, name: str, kind: str) -> torch.Tensor:
@@ -304,75 +338,6 @@ def _harmless(hook: Any) -> bool:
     return bool(name.endswith("apply_backward_optimization_barrier.<locals>.optimization_barrier"))
 
 
-def _check_alike(
-    api: str, first: nn.Module, index: int, layer: nn.Module, *, parameters: bool
-) -> None:
-    """Refuse a layer built unlike layer 0 (with ``parameters``, also in its parameters: in
-    stacked storage layer 0 holds all of them)."""
-
-    def base(module: nn.Module) -> type:
-        return module._checkpoint_base if isinstance(module, CheckpointWrapper) else type(module)
-
-    def signature(module: nn.Module) -> tuple[tuple[object, ...], ...]:
-        return (
-            tuple(
-                (n, tuple(p.shape), p.dtype, p.requires_grad)
-                for n, p in (module.named_parameters() if parameters else ())
-            ),
-            tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()),
-            tuple((n, type(m).__qualname__) for n, m in module.named_modules()),
-            tuple((n, *plain_settings(m)) for n, m in module.named_modules()),
-        )
-
-    if base(layer) is not base(first) or signature(layer) != signature(first):
-        ours, theirs = signature(first), signature(layer)
-        parts = ("parameters", "buffers", "submodules", "settings (plain attributes)")
-        difference = next(
-            (
-                f"{part}: {_first_difference(a, b)}"
-                for part, a, b in zip(parts, ours, theirs, strict=True)
-                if a != b
-            ),
-            f"class {type(layer).__qualname__} vs {type(first).__qualname__}",
-        )
-        raise CheckpointValueError(
-            f"{api}: expected layers of one structure, got layer {index} differing from "
-            f"layer 0 in {difference}. Scan a run of identically built layers; call the "
-            "others in Python before or after."
-        )
-
-
-# Plain attributes that differ per layer by construction and only index a cache (None while
-# training): transformers' attention modules keep their position in the stack.
-_LAYER_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
-
-
-def plain_settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
-    """A module's plain settings (numbers, strings, flags): the template's are what every
-    layer runs with, so layers must agree on them (a sliding window on some layers only)."""
-    return tuple(
-        (k, v)
-        for k, v in sorted(vars(module).items())
-        if not k.startswith("_")
-        and k not in _LAYER_INDEX_ATTRIBUTES
-        and k != "training"
-        and isinstance(v, (bool, int, float, str, type(None), tuple))
-    )
-
-
-def _first_difference(ours: tuple[object, ...], theirs: tuple[object, ...]) -> str:
-    """The first entry that differs, narrowed to the setting inside a module's entry."""
-    for a, b in zip(ours, theirs, strict=False):
-        if a == b:
-            continue
-        if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] and len(a) == len(b):
-            where = f"{a[0] or 'the layer'}: " if isinstance(a[0], str) else ""
-            inner = next((x, y) for x, y in zip(a[1:], b[1:], strict=True) if x != y)
-            return f"{where}{inner[1]} where layer 0 has {inner[0]}"
-        return f"{b} where layer 0 has {a}"
-    return f"{len(theirs)} entries where layer 0 has {len(ours)}"
-
-
 def _xla_fsdp_v1_class() -> type | None:
     if _xla._loaded("torch_xla") is None:
         return None
@@ -390,7 +355,7 @@ def _loop(
     carry, rest = args[0], args[1:]
     slices = stack.layer_slices() if stack.stacked_storage else None
     for index, layer in enumerate(stack.layers):
-        forward, call_kwargs = _own_forward(layer), kwargs
+        forward, call_kwargs = stack.own_forward(layer), kwargs
         if slices is not None:
             forward = functools.partial(_run_slot, stack, index)
             call_kwargs = {**kwargs, _SLICES: slices[index]}
@@ -562,8 +527,6 @@ def _forward_loop(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The forward While loop: the last carry, and (with ``save``) per layer its input carry
     and the values the policy kept, stacked."""
-    from torch_xla.experimental.scan import _scan_impl_pytree
-
     # The carry is differentiated in any case: every layer's parameters reach the loss through
     # the carries after it.
     grads = [_floating(t) for t in carry], [_differentiable(t) for t in constants]
@@ -599,7 +562,7 @@ def _forward_loop(
         saved = (list(carry_in), [t.detach() for t in kept]) if save else ([], [])
         return (new_carry, list(consts)), saved
 
-    (final, _), (carries, kept) = _scan_impl_pytree(
+    (final, _), (carries, kept) = _xla.while_loop(
         body, (list(carry), list(constants)), list(stacked)
     )
     for stacked_carry, spec in zip(carries, scan.carry_specs, strict=False):
@@ -701,8 +664,6 @@ def _backward_loop(
     by the scan: each iteration reads its layer's slice and then overwrites it with that
     layer's gradient, so the gradients take the stacked copy's memory instead of a second
     stack of the same size (XLA updates a loop-state slice in place)."""
-    from torch_xla.experimental.scan import _scan_impl_pytree
-
     want_carry, want_const, want_layer = wanted
     carry_grad = [_floating(t) for t in carries]  # the chain of carries, wanted or not
     read_only = [t for t, w in zip(stacked, want_layer, strict=True) if not w]
@@ -752,7 +713,7 @@ def _backward_loop(
     accumulators = [torch.zeros_like(c) for c, g in zip(constants, want_const, strict=True) if g]
     grad_stacks = [t for t, w in zip(stacked, want_layer, strict=True) if w]
     last = torch.tensor(len(carries[0]) - 1, dtype=torch.int64, device=scan.device)
-    (grad_init, _, acc, grad_layers, _), _ = _scan_impl_pytree(
+    (grad_init, _, acc, grad_layers, _), _ = _xla.while_loop(
         body,
         (list(grads), list(constants), accumulators, grad_stacks, last),
         (read_only, list(carries), list(kept)),

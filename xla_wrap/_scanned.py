@@ -21,7 +21,7 @@ from . import _stacked
 from . import checkpoint_policies as cp
 from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from ._options import make_options
-from ._scan import _LayerStack, scan_layers
+from ._scan import _LayerStack, run_scan
 
 M = TypeVar("M", bound=nn.Module)
 _OPTIONS = "_xla_wrap_scan_options"
@@ -94,7 +94,7 @@ class ScannedLayers(nn.ModuleList):
         self, layers: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Run all ``layers`` on what layer 0 was called with."""
-        return scan_layers(layers, *args, **self.scan_options, **kwargs)
+        return run_scan("xla_wrap.ScannedLayers", layers, args, kwargs, **self.scan_options)
 
     def __repr__(self) -> str:
         if not self.parameters_stacked:

@@ -9,10 +9,12 @@ asks these functions and never touches torch_xla directly.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -181,6 +183,40 @@ def tiled_sharding(spec: str) -> tuple[tuple[int, ...], list[int], int] | None:
             ids = ids.permute(numbers(match.group(4)))
         devices = ids.reshape(-1).tolist()
     return tiles, devices, len(tiles) - (1 if match.group(5) else 0)
+
+
+def while_loop(body: Callable[..., Any], init: Any, xs: Any, *, reverse: bool = False) -> Any:
+    """torch_xla's scan lowering (an XLA While loop of ``body``, traced once).
+
+    torch_xla traces the body on placeholder tensors with no data, and a sync that finds one
+    still alive crashes the process (torch_xla 2.9: a segmentation fault). An error raised
+    while tracing holds them in its traceback's frames for as long as anyone keeps the error
+    (a ``pytest.raises``, a logger), so it leaves without those frames: its traceback as text
+    in its notes, where it did not come from xla_wrap."""
+    from torch_xla.experimental.scan import _scan_impl_pytree
+
+    try:
+        return _scan_impl_pytree(body, init, xs, reverse=reverse)
+    except BaseException as error:
+        from ._errors import XlaWrapError
+
+        if not isinstance(error, XlaWrapError):
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            _add_note(error, f"Raised while tracing a scanned layer:\n{text}")
+        chained: BaseException | None = error
+        while chained is not None:
+            chained.__traceback__ = None
+            chained = chained.__cause__ or chained.__context__
+        del chained
+        gc.collect()  # frames that held placeholders in a cycle
+        raise error
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 @functools.cache
