@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _xla
+from . import _compiled, _xla
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._module_tensors import ModuleTensors
@@ -34,6 +34,8 @@ def run_checkpointed(
     everything, it is a plain call."""
     if not torch.is_grad_enabled() or options.policy is cp.everything_saveable:
         return function(*args, **kwargs)
+    if _compiled.compiling():
+        return _compiled.checkpoint(api, function, args, kwargs, options)
     inputs = Flat.of((args, kwargs))
     call = CheckpointCall(
         api=api, function=function, owners=ModuleTensors.of(owners), options=options
@@ -47,7 +49,10 @@ def run_checkpointed(
 def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[nn.Module]:
     """The module whose parameters ``function`` reads: the module itself, the owner of a bound
     method, either of those inside ``functools.partial``, or the module an unbound method is
-    called on (``Layer.forward(layer, x)``, as transformers 5 checkpoints its layers)."""
+    called on (``Layer.forward(layer, x)``, as transformers 5 checkpoints its layers). None
+    inside ``torch.compile``, whose checkpoint differentiates whatever the function reads."""
+    if _compiled.compiling():
+        return []
     function, args, _ = _unpartial(function, args, {})
     if isinstance(function, nn.Module):
         return [function]

@@ -25,6 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from . import _compiled
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, describe
 from ._recompute import raise_not_deterministic
@@ -259,6 +260,8 @@ def checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
             f"xla_wrap.checkpoint_name: expected a string as `name`, got {describe(name)}. "
             "Pass the name your policy keeps, as in `checkpoint_name(h, 'attn_out')`."
         )
+    if _compiled.compiling():
+        return _compiled.tag(tensor, name)
     selection = _current()
     if selection is None:
         return tensor

@@ -98,6 +98,9 @@ DOT_FUNCTIONS = frozenset(
         "conv_transpose1d",
         "conv_transpose2d",
         "conv_transpose3d",
+        # ATen's own names, as selective checkpointing inside torch.compile sees operations
+        "convolution",
+        "_convolution",
     }
 )
 

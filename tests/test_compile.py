@@ -1,0 +1,403 @@
+"""Checkpointing inside ``torch.compile`` (xla_wrap._compiled): every entry point compiles as
+one graph, reaches AOTAutograd as the checkpoint higher-order op (the partitioned forward
+saves what PyTorch's own checkpoint saves, the backward recomputes tagged nodes), and save
+policies become selective checkpointing, measured in the partitioned graphs."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import CheckpointPolicy
+
+import xla_wrap
+from xla_wrap import checkpoint_policies as cp
+
+WIDTH = 32
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block; its MLP's hidden value is tagged ``"hidden"``."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(WIDTH)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.norm2 = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        x = x + self.drop(self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+        hidden = xla_wrap.checkpoint_name(F.gelu(self.up(self.norm2(x))), "hidden")
+        return x + self.drop(self.down(hidden))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int = 3, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dropout) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+BATCH, SEQ = 2, 8
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    """Each test compiles afresh (Dynamo would otherwise reuse or stop recompiling) and
+    counts its own graph breaks."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _graph_breaks() -> dict[str, int]:
+    return dict(counters["graph_break"])
+
+
+def _step(model: nn.Module, backend: str | None, seed: int = 5) -> tuple[torch.Tensor, list]:
+    """Loss and gradients of one step (compiled whole with ``backend``, or eager)."""
+    model.zero_grad(set_to_none=True)
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+    torch.manual_seed(seed)
+    loss = run(_x()).pow(2).mean()
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _assert_same_step(
+    expected: tuple[torch.Tensor, list], got: tuple[torch.Tensor, list], *, exact: bool
+) -> None:
+    (expected_loss, expected_grads), (loss, grads) = expected, got
+    assert len(grads) == len(expected_grads) and all(g is not None for g in grads)
+    for a, b in zip([loss, *grads], [expected_loss, *expected_grads], strict=True):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --- every entry point compiles, whole ----------------------------------------------------------
+
+
+def _wrapped(how: str, dropout: float) -> tuple[nn.Module, nn.Module]:
+    """The plain stack and a copy checkpointed ``how``."""
+    torch.manual_seed(0)
+    plain = Stack(dropout=dropout)
+    twin = copy.deepcopy(plain)
+    is_block = functools.partial(lambda m: isinstance(m, Block))
+    if how == "checkpoint_wrapper":
+        for i, block in enumerate(twin.blocks):
+            twin.blocks[i] = xla_wrap.checkpoint_wrapper(block)
+    elif how in ("apply_activation_checkpointing", "use_reentrant=True"):
+        xla_wrap.apply_activation_checkpointing(
+            twin, is_block, use_reentrant=how != "apply_activation_checkpointing"
+        )
+    elif how == "functional checkpoint":
+        twin.forward = functools.partial(_functional_forward, twin)  # type: ignore[method-assign]
+    elif how == "checkpoint_sequential":
+        twin.forward = functools.partial(_sequential_forward, twin)  # type: ignore[method-assign]
+    else:
+        policy = {
+            "dots_saveable": "dots_saveable",
+            "save_only_these_names": cp.save_only_these_names("hidden"),
+            "save_from_both_policies": cp.save_from_both_policies(
+                cp.dots_saveable, cp.save_only_these_names("hidden")
+            ),
+        }[how]
+        xla_wrap.apply_activation_checkpointing(twin, is_block, policy=policy)
+    return plain, twin
+
+
+def _functional_forward(stack: Stack, x: torch.Tensor) -> torch.Tensor:
+    """``checkpoint`` of a function with keyword and non-tensor arguments and a policy made
+    inside the compiled code."""
+
+    def run(
+        block: Block, x: torch.Tensor, *, scale: float, shift: torch.Tensor | None, debug: bool
+    ) -> Any:
+        return block(x) * scale + (0 if shift is None else shift)
+
+    for block in stack.blocks:
+        x = xla_wrap.checkpoint(  # `debug` is the function's, though torch's checkpoint has one
+            run,
+            block,
+            x,
+            scale=1.0,
+            shift=None,
+            debug=False,
+            policy=cp.save_only_these_names("hidden"),
+        )
+    return x
+
+
+def _sequential_forward(stack: Stack, x: torch.Tensor) -> torch.Tensor:
+    return xla_wrap.checkpoint_sequential(list(stack.blocks), 2, x)
+
+
+ENTRY_POINTS = [
+    "checkpoint_wrapper",
+    "apply_activation_checkpointing",
+    "use_reentrant=True",
+    "functional checkpoint",
+    "checkpoint_sequential",
+    "dots_saveable",
+    "save_only_these_names",
+    "save_from_both_policies",
+]
+
+
+@pytest.mark.parametrize("how", ENTRY_POINTS)
+def test_every_entry_point_compiles_whole_and_trains_as_eager(how: str) -> None:
+    """``fullgraph=True`` (no graph break) on aot_eager; with Dropout 0.1 the compiled
+    checkpointed step is the eager plain step bitwise (aot_eager draws as eager does), so the
+    recomputation used the forward's masks."""
+    plain, twin = _wrapped(how, dropout=0.1)
+    expected = _step(plain, None)
+    got = _step(twin, "aot_eager")
+    assert _graph_breaks() == {}
+    _assert_same_step(expected, got, exact=True)
+
+
+def test_the_transformers_drop_in_compiles_whole_and_trains_as_eager() -> None:
+    transformers = pytest.importorskip("transformers")
+    xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_embd=WIDTH,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )  # Dropout 0.1 everywhere
+    plain = transformers.GPT2LMHeadModel(config).train()
+    twin = copy.deepcopy(plain)
+    xla_hf.gradient_checkpointing_enable(twin, policy="dots_saveable")
+    ids = torch.randint(0, 64, (BATCH, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(model: nn.Module, compiled: bool) -> tuple[torch.Tensor, list]:
+        model.zero_grad(set_to_none=True)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        torch.manual_seed(5)
+        # transformers' own loss function warns once, which Dynamo cannot trace
+        loss = F.cross_entropy(run(ids).logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    expected = step(plain, False)
+    got = step(twin, True)
+    assert _graph_breaks() == {}
+    _assert_same_step(expected, got, exact=True)
+
+
+def test_under_inductor_the_recomputation_uses_the_forwards_masks() -> None:
+    """Inductor with its random numbers drawn as eager draws them (``fallback_random``): the
+    checkpointed step with Dropout equals the eager plain step."""
+    import torch._inductor.config as inductor_config
+
+    plain, twin = _wrapped("dots_saveable", dropout=0.1)
+    expected = _step(plain, None)
+    with inductor_config.patch(fallback_random=True):
+        got = _step(twin, "inductor")
+    assert _graph_breaks() == {}
+    _assert_same_step(expected, got, exact=False)
+
+
+# --- what the compiler sees ---------------------------------------------------------------------
+
+
+class _Graphs:
+    """An AOTAutograd backend (min-cut partitioner, as inductor's) that keeps the partitioned
+    forward and backward graphs."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.forward: torch.fx.GraphModule | None = None
+        self.backward: torch.fx.GraphModule | None = None
+
+        def keep(kind: str) -> Callable[..., Any]:
+            def compiler(gm: torch.fx.GraphModule, _: Any) -> Any:
+                setattr(self, kind, gm)
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        self.backend = aot_autograd(
+            fw_compiler=keep("forward"),
+            bw_compiler=keep("backward"),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
+    def saved_bytes(self) -> int:
+        """What the forward keeps for backward: its outputs after the model's own one."""
+        assert self.forward is not None
+        output = next(n for n in self.forward.graph.nodes if n.op == "output")
+        values = [a.meta.get("val") for a in output.args[0][1:] if isinstance(a, torch.fx.Node)]
+        return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+    def backward_ops(self, *packets: Any) -> int:
+        assert self.backward is not None
+        return sum(
+            1
+            for n in self.backward.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "overloadpacket", None) in packets
+        )
+
+    def recompute_tags(self) -> int:
+        assert self.backward is not None
+        tags = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+        return sum(1 for n in self.backward.graph.nodes if n.meta.get("recompute") in tags)
+
+
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+def _graphs(model: nn.Module) -> _Graphs:
+    graphs = _Graphs()
+    _step(model, graphs.backend)
+    assert _graph_breaks() == {}
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def compiled_graphs() -> dict[str, _Graphs]:
+    """The stack's partitioned graphs: plain, PyTorch's checkpoint_wrapper, and xla_wrap with
+    each policy (Dropout 0)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as torch_apply,
+    )
+
+    torch.manual_seed(0)
+    plain = Stack()
+    graphs = {"plain": _graphs(plain)}
+    torch_wrapped = copy.deepcopy(plain)
+    torch_apply(torch_wrapped, check_fn=lambda m: isinstance(m, Block))
+    graphs["torch"] = _graphs(torch_wrapped)
+    for name, policy in [
+        ("xla_wrap", None),
+        ("dots_saveable", "dots_saveable"),
+        ("names", cp.save_only_these_names("hidden")),
+    ]:
+        torch._dynamo.reset()
+        twin = copy.deepcopy(plain)
+        xla_wrap.apply_activation_checkpointing(twin, lambda m: isinstance(m, Block), policy=policy)
+        graphs[name] = _graphs(twin)
+    return graphs
+
+
+def test_the_compiler_sees_a_checkpoint_and_recomputes_the_blocks(
+    compiled_graphs: dict[str, _Graphs],
+) -> None:
+    plain, torch_wrapped, ours = (compiled_graphs[k] for k in ("plain", "torch", "xla_wrap"))
+    assert ours.saved_bytes() <= torch_wrapped.saved_bytes() < plain.saved_bytes()
+    # The blocks' forward matmuls run again in backward (those whose outputs backward needs;
+    # which ones, the partitioner decides, as for PyTorch's own checkpoint), tagged for the
+    # barriers TorchTPU's backend places.
+    recomputed = ours.backward_ops(*MATMULS) - plain.backward_ops(*MATMULS)
+    assert recomputed >= 2 * len(Stack().blocks)
+    assert ours.backward_ops(*MATMULS) == torch_wrapped.backward_ops(*MATMULS)
+    assert ours.recompute_tags() > 0 and plain.recompute_tags() == 0
+
+
+def test_dots_saveable_recomputes_no_matmul_under_compile(
+    compiled_graphs: dict[str, _Graphs],
+) -> None:
+    plain, dots = compiled_graphs["plain"], compiled_graphs["dots_saveable"]
+    assert dots.backward_ops(*MATMULS) == plain.backward_ops(*MATMULS)
+    assert dots.saved_bytes() < plain.saved_bytes()
+    assert dots.recompute_tags() > 0  # the elementwise work around the matmuls still is
+
+
+def test_a_names_policy_keeps_exactly_the_named_values_under_compile(
+    compiled_graphs: dict[str, _Graphs],
+) -> None:
+    full, names = compiled_graphs["xla_wrap"], compiled_graphs["names"]
+    hidden = BATCH * SEQ * 4 * WIDTH * 4  # one float32 [batch, seq, 4 * width] per block
+    assert names.saved_bytes() == full.saved_bytes() + len(Stack().blocks) * hidden
+
+
+def test_dots_saveable_keeps_convolutions_as_aten_names_them() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 3, 3, padding=1))
+    x = torch.randn(2, 3, 8, 8)
+    counts = {}
+    for policy in (None, "dots_saveable"):
+        torch._dynamo.reset()
+        graphs = _Graphs()
+        model = copy.deepcopy(plain)
+        run = torch.compile(
+            lambda x, m=model, p=policy: xla_wrap.checkpoint(m, x, policy=p),
+            backend=graphs.backend,
+            fullgraph=True,
+        )
+        run(x).sum().backward()
+        counts[policy] = graphs.backward_ops(torch.ops.aten.convolution)
+    # Full recomputation runs the first convolution again (the GELU's backward needs its
+    # output; nothing needs the second's); dots_saveable keeps it.
+    assert counts[None] == 1 and counts["dots_saveable"] == 0
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def test_offload_inside_compile_is_refused_naming_the_way_out() -> None:
+    layer = nn.Linear(4, 4)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return xla_wrap.checkpoint(layer, x, offload_to_cpu=True).sum()
+
+    with pytest.raises(xla_wrap.CheckpointValueError, match="not supported inside torch.compile"):
+        torch.compile(step, backend="aot_eager")(torch.randn(2, 4))
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:  # fullgraph: Dynamo reports it as its own
+        torch.compile(step, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
+    chain, error = [], info.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any("CheckpointValueError" in type(e).__name__ for e in chain)
+
+
+# --- torch_xla's Dynamo backend -----------------------------------------------------------------
+
+
+@pytest.mark.xla
+def test_openxla_compiles_it_whole_with_eager_gradients(xla_device: torch.device) -> None:
+    import torch_xla
+
+    plain, twin = _wrapped("apply_activation_checkpointing", dropout=0.0)
+    expected = _step(plain, None)
+    twin.to(xla_device)
+    twin.zero_grad(set_to_none=True)
+    loss = torch.compile(twin, backend="openxla", fullgraph=True)(_x().to(xla_device))
+    loss = loss.pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in twin.parameters()]
+    torch_xla.sync()
+    assert _graph_breaks() == {}
+    _assert_same_step(expected, (loss.cpu(), [g.cpu() for g in grads]), exact=False)

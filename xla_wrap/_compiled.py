@@ -1,0 +1,168 @@
+"""Checkpointing inside ``torch.compile``: the compiler's own checkpoint, with our policies.
+
+Under ``torch.compile`` there is no step to replay and no barrier to place by hand: Dynamo
+turns ``torch.utils.checkpoint.checkpoint`` into the checkpoint higher-order op, AOTAutograd
+tags the region's nodes for recomputation (``node.meta["recompute"]``), the partitioner
+recomputes them in the backward graph, and a backend that needs barriers (TorchTPU) places
+them by those tags. xla_wrap's own engines capture random generator states and run autograd
+Functions that Dynamo cannot trace, so while Dynamo traces, every xla_wrap checkpoint becomes
+that op instead; the random numbers are then the compiler's business (it keeps the forward's
+masks for the recomputation).
+
+Save policies become selective checkpointing (``create_selective_checkpoint_contexts``): the
+policy is asked for every ATen operation of the region, as the compiler sees it (``mm``,
+``addmm``, ``bmm``, ``convolution``; ``linear`` and ``matmul`` where a backend keeps them
+whole), and for each value tagged with :func:`xla_wrap.checkpoint_name`, which inside a
+compiled region is an operation of its own (``xla_wrap::checkpoint_name``) so that a policy can
+find it by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from . import checkpoint_policies as cp
+from ._errors import CheckpointValueError
+from ._options import CheckpointOptions
+
+_NAME_OP = "xla_wrap::checkpoint_name"
+# Keywords torch.utils.checkpoint.checkpoint takes for itself.
+_CHECKPOINT_KEYWORDS = frozenset(
+    {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug"}
+)
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing the caller (``torch.compile``)."""
+    return bool(torch.compiler.is_compiling())
+
+
+def checkpoint(
+    api: str,
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: CheckpointOptions,
+) -> Any:
+    """``function(*args, **kwargs)`` as the compiler's checkpoint, with ``options``' policy.
+    The reentrant engine has no compiled form; both engines compile to the same op."""
+    if options.offload_to_cpu:
+        raise CheckpointValueError(
+            f"{api}: offload_to_cpu=True is not supported inside torch.compile: the compiler "
+            "decides where saved values live. Drop offload_to_cpu for the compiled model, or "
+            "use an offload policy (offload_these_names) on a torch with "
+            "CheckpointPolicy.MUST_CPU_OFFLOAD."
+        )
+    if any(k in _CHECKPOINT_KEYWORDS for k in kwargs):  # the function's, not torch's
+        function, kwargs = functools.partial(function, **kwargs), {}
+    policy = options.policy
+    if policy is not None and policy is not cp.nothing_saveable:
+        kwargs = {**kwargs, "context_fn": _context_fn(api, policy)}
+    return torch_checkpoint.checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=options.preserve_rng_state,
+        **kwargs,
+    )
+
+
+def _context_fn(api: str, policy: cp.SavePolicy) -> Callable[[], Any]:
+    """Selective checkpointing's contexts for ``policy``, as a partial of constants: Dynamo
+    takes the context function of a checkpoint only as a function or a partial it can hold
+    as a constant, and a policy object made in the compiled code is neither."""
+    return functools.partial(_contexts, api, _spec(policy))
+
+
+def _spec(policy: cp.SavePolicy) -> Any:
+    """``policy`` as a tree of constants: its function, or the names it keeps."""
+    if isinstance(policy, cp._Named):
+        return ("names", tuple(sorted(policy.saved)), tuple(sorted(policy.offloaded)))
+    if isinstance(policy, cp._Both):
+        return ("both", _spec(policy.first), _spec(policy.second))
+    return ("function", policy)
+
+
+def _policy_of(spec: Any) -> cp.SavePolicy:
+    if spec[0] == "names":
+        return cp._Named(saved=frozenset(spec[1]), offloaded=frozenset(spec[2]))
+    if spec[0] == "both":
+        return cp._Both(_policy_of(spec[1]), _policy_of(spec[2]))
+    policy: cp.SavePolicy = spec[1]
+    return policy
+
+
+def _contexts(api: str, spec: Any) -> Any:
+    return torch_checkpoint.create_selective_checkpoint_contexts(_Policy(api, _policy_of(spec)))
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """A save policy as selective checkpointing asks it: per ATen operation, before it runs
+    (so :class:`~xla_wrap.checkpoint_policies.Op` carries no shapes there). Frozen, so that
+    Dynamo takes it as a constant of the graph."""
+
+    api: str
+    policy: cp.SavePolicy
+
+    def __call__(
+        self, ctx: Any, func: Any, *args: Any, **kwargs: Any
+    ) -> torch_checkpoint.CheckpointPolicy:
+        if func is _NAME:
+            op = cp.Op(function="checkpoint_name", name=args[1], shapes=(), nbytes=0)
+        else:
+            op = cp.Op(function=_aten_name(func), name=None, shapes=(), nbytes=0)
+        decision = cp.decide(self.policy, op)
+        if decision is cp.Decision.SAVE:
+            return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+        if decision is cp.Decision.OFFLOAD:
+            offload = getattr(torch_checkpoint.CheckpointPolicy, "MUST_CPU_OFFLOAD", None)
+            if offload is None:
+                raise CheckpointValueError(
+                    f"{self.api}: the policy offloads {op.name or op.function!r}, which inside "
+                    f"torch.compile needs CheckpointPolicy.MUST_CPU_OFFLOAD; torch "
+                    f"{torch.__version__} has none. Use a policy that saves or recomputes "
+                    "instead, or a newer torch."
+                )
+            return offload
+        return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _aten_name(func: Any) -> str:
+    """``aten.addmm.default`` -> ``"addmm"``, as :data:`checkpoint_policies.DOT_FUNCTIONS`
+    names it."""
+    packet = getattr(func, "overloadpacket", func)
+    return str(getattr(packet, "__name__", func)).rpartition(".")[2]
+
+
+@torch.library.custom_op(_NAME_OP, mutates_args=())
+def _checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """:func:`xla_wrap.checkpoint_name` inside a compiled region: an operation of its own,
+    which a policy finds by name. It copies the value (a custom operation may not alias its
+    input)."""
+    return tensor.clone()
+
+
+@_checkpoint_name.register_fake
+def _(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _name_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad, None
+
+
+_checkpoint_name.register_autograd(_name_backward)
+_NAME = torch.ops.xla_wrap.checkpoint_name.default
+
+
+def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` tagged with ``name`` inside a compiled region."""
+    result: torch.Tensor = _checkpoint_name(tensor, name)
+    return result
