@@ -324,6 +324,221 @@ def test_a_forward_set_on_each_instance_is_alike_when_each_wraps_its_own_layer(
         _assert_refused(functools.partial(make, True), form, device, 2, "forward")
 
 
+# --- what an independent review found (each accepted and computed wrong, or falsely refused) --
+
+
+class Hooked(Layer):
+    """Scales its gradient by ``grad_scale`` in a tensor hook: a read in backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.requires_grad:
+            h.register_hook(lambda grad: grad * self.grad_scale)
+        return x + torch.tanh(h)
+
+
+def _hooked(scales: list[float]) -> list[nn.Module]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [Hooked(None) for _ in scales]
+    for layer, scale in zip(layers, scales, strict=True):
+        layer.grad_scale = scale
+    return layers
+
+
+@pytest.mark.xla
+def test_a_read_in_backward_is_refused_on_xla(xla_device: torch.device) -> None:
+    """The backward loop differentiates layer 0's module for every layer: a tensor hook that
+    reads the layer would use layer 0's value."""
+    for form in FORMS:
+        _assert_refused(lambda: _hooked([1.0, -2.0, 3.0]), form, xla_device, 1, "grad_scale")
+    _assert_loop_result(lambda: _hooked([2.0, 2.0, 2.0]), "scan_layers", xla_device)
+
+
+def test_off_xla_every_layer_runs_its_own_module_so_reads_in_backward_are_its_own() -> None:
+    """Stacked parameters included: each layer's module runs on its slices."""
+    for form in FORMS:
+        _assert_loop_result(lambda: _hooked([1.0, -2.0, 3.0]), form, torch.device("cpu"))
+
+
+class Gated(Layer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gate
+
+
+def test_a_plain_tensor_that_needs_gradients_is_each_layers_own_whatever_it_holds(
+    device: torch.device,
+) -> None:
+    """In the loop each layer's gate gets its own gradient; a scan would give layer 0's the
+    sum of all."""
+
+    def make() -> list[nn.Module]:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [Gated(None) for _ in range(DEPTH)]
+        for layer in layers:
+            layer.gate = torch.ones(WIDTH, requires_grad=True)
+        return layers
+
+    for form in FORMS:
+        message = _assert_refused(make, form, device, 1, "gate")
+        assert "its own tensor requiring gradients" in message
+
+
+class Validated(Layer):
+    """A class-level property that keeps its value in the instance's ``__dict__`` under the
+    same name: reads go through the property."""
+
+    @property  # type: ignore[misc]
+    def scale(self) -> float:
+        return float(self.__dict__["scale"])
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.__dict__["scale"] = float(value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize(
+    ("values", "refused"),
+    [
+        ([0.0, -0.0, 0.0], True),  # another value: 1 / x tells them apart
+        ([1.0, 1.0, 2.0], True),
+        ([1.0, 1.0, 1.0], False),
+    ],
+    ids=["signed-zero", "differ", "alike"],
+)
+def test_values_behind_a_class_property_and_signed_zeros(
+    values: list[float], refused: bool, device: torch.device
+) -> None:
+    def make() -> list[nn.Module]:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [Validated(None) for _ in values]
+        for layer, value in zip(layers, values, strict=True):
+            layer.scale = value
+        return layers
+
+    first = next((i for i, v in enumerate(values) if repr(v) != repr(values[0])), None)
+    for form in FORMS:
+        if refused:
+            assert first is not None
+            _assert_refused(make, form, device, first, "scale")
+        else:
+            _assert_loop_result(make, form, device)
+
+
+def test_objects_compare_field_by_field_and_dicts_in_order() -> None:
+    """A dataclass whose ``__eq__`` ignores a field forward reads; a dict whose order forward
+    depends on."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Config:
+        name: str
+        scale: float = dataclasses.field(compare=False)
+
+    cases = {
+        "config": (lambda i: Config("c", 1.0 + i), lambda v: v.scale),
+        "ordered": (
+            lambda i: {"a": 1.0, "b": 3.0} if i == 0 else {"b": 3.0, "a": 1.0},
+            lambda v: next(iter(v.values())),
+        ),
+    }
+    for name, (make_value, factor) in cases.items():
+        value = Value(make_value, factor)
+        for form in FORMS:
+            _assert_refused(
+                lambda v=value, n=name: _layers("", n, v, [0, 1, 1], read=True),
+                form,
+                torch.device("cpu"),
+                1,
+                name,
+            )
+
+
+class Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def _parametrized(kind: str) -> list[nn.Module]:
+    """Layers whose Linear is parametrized: torch makes a class per module. (Not weight_norm
+    here: its kernel falls back to the CPU on XLA, which crashes any scanned body.)"""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [Layer(None) for _ in range(DEPTH)]
+    for i, layer in enumerate(layers):
+        if kind == "parametrized":
+            parametrize.register_parametrization(layer.lin, "weight", Doubled())
+        elif kind == "class factory":  # same name, another class per layer
+            act = type("Act", (nn.Module,), {"forward": lambda self, x, k=1.0 + i: x * k})
+            layer.inner.deep = act()
+    return layers
+
+
+def test_per_module_classes_alike_scan_and_unlike_ones_are_refused(device: torch.device) -> None:
+    for form in FORMS:
+        _assert_loop_result(lambda: _parametrized("parametrized"), form, device)
+        with pytest.raises(xla_wrap.CheckpointValueError, match="another class of that name"):
+            _run(_parametrized("class factory"), form, device)
+
+
+def test_recurrent_layers_scan_as_the_loop() -> None:
+    """nn.LSTM keeps weak references to its own parameters (refreshed when they are set)."""
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(WIDTH, WIDTH, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.rnn(x.unsqueeze(1))[0].squeeze(1)
+
+    def make() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [Recurrent() for _ in range(DEPTH)]
+
+    for form in FORMS:
+        _assert_loop_result(make, form, torch.device("cpu"))
+
+
+def test_a_class_that_refuses_subclasses_counts_its_differences_as_read() -> None:
+    class Registered(Layer):
+        def __init_subclass__(cls, *, kind: str, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+
+    def make(values: list[int]) -> list[nn.Module]:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [Registered(None) for _ in values]
+        for layer, value in zip(layers, values, strict=True):
+            layer.setting = value
+        return layers
+
+    for form in FORMS:
+        _assert_refused(lambda: make([0, 1, 1]), form, torch.device("cpu"), 1, "setting")
+
+
+def test_long_chains_of_equal_objects_do_not_recurse_without_bound() -> None:
+    class Link:
+        def __init__(self, n: int) -> None:
+            self.next = Link(n - 1) if n else None
+
+    def make() -> list[nn.Module]:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [Layer(None) for _ in range(DEPTH)]
+        for layer in layers:
+            chain = Link(0)
+            for _ in range(2000):  # built iteratively: deeper than the recursion limit
+                head = Link(0)
+                head.next, chain = chain, head
+            layer.chain = chain
+        return layers
+
+    for form in FORMS:  # too deep to show equal: a difference, but not read
+        _assert_loop_result(make, form, torch.device("cpu"))
+
+
 # --- any attribute of any submodule ---------------------------------------------------------
 
 

@@ -261,17 +261,22 @@ class _LayerStack:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         tensors: Sequence[torch.Tensor],
+        *,
+        index: int = 0,
     ) -> Any:
-        """Run the template layer with one layer's parameters and buffers (``tensors``, in
-        the order of :meth:`loop_inputs`)."""
+        """Run layer ``index``'s module (the template, 0, for every layer on XLA) with one
+        layer's parameters and buffers (``tensors``, in the order of :meth:`loop_inputs`)."""
         names = self.param_names + self.buffer_names
         mapping = dict(zip(names, tensors, strict=True))
         mapping.update(self.shared_buffers)
-        with (
-            _reparametrize_module(self.template, mapping),
-            self.differences.watching(self.api, self.template),
-        ):
-            return _own_forward(self.template)(carry, *args, **kwargs)
+        module = self.layers[index]
+        with _reparametrize_module(module, mapping):
+            return _own_forward(module)(carry, *args, **kwargs)
+
+    def watching(self, index: int = 0) -> Any:
+        """Where layer ``index`` runs (the template on XLA: its forward, and the backward
+        through it): refuse reads of attributes in which the layers differ (_alike)."""
+        return self.differences.watching(self.api, self.layers[index])
 
     def own_forward(self, layer: nn.Module) -> Any:
         """``layer``'s own forward, for the eager loop: refused, as the template would be,
@@ -350,8 +355,8 @@ def _xla_fsdp_v1_class() -> type | None:
 def _loop(
     stack: _LayerStack, args: tuple[Any, ...], kwargs: dict[str, Any], options: CheckpointOptions
 ) -> Any:
-    """Off XLA: the loop itself, each layer checkpointed (in stacked storage, layer 0 run
-    on each layer's slices, which the checkpoint takes as inputs)."""
+    """Off XLA: the loop itself, each layer checkpointed (in stacked storage, each layer run
+    on its slices of the stacked parameters, which the checkpoint takes as inputs)."""
     carry, rest = args[0], args[1:]
     slices = stack.layer_slices() if stack.stacked_storage else None
     for index, layer in enumerate(stack.layers):
@@ -372,7 +377,10 @@ _SLICES = "_xla_wrap_parameter_slices"  # the keyword that hands _run_slot its l
 
 def _run_slot(stack: _LayerStack, index: int, carry: Any, *args: Any, **kwargs: Any) -> Any:
     params = kwargs.pop(_SLICES)
-    return stack.call(carry, args, kwargs, [*params, *stack.buffers_of(index)])
+    # The layer's own module, not the template: what it reads later, in backward (a tensor
+    # hook), is then its own; its forward refuses what the template's would.
+    with stack.watching(index):
+        return stack.call(carry, args, kwargs, [*params, *stack.buffers_of(index)], index=index)
 
 
 # --- on XLA: two While loops under one autograd Function ---------------------------------
@@ -537,7 +545,7 @@ def _forward_loop(
     def body(state: Any, layer: Any) -> Any:
         carry_in, consts = _as(state[0], dtypes[0]), _as(state[1], dtypes[1])
         layer = _as(layer, dtypes[2])
-        with scan.body_state():
+        with scan.body_state(), scan.stack.watching():
             # Differentiable exactly as in the backward body: the policy sees the same ops.
             inputs = [_leaf(t, g) for t, g in zip(carry_in, grads[0], strict=True)]
             const_inputs = [_leaf(t, g) for t, g in zip(consts, grads[1], strict=True)]
@@ -678,7 +686,8 @@ def _backward_loop(
         params = [next(slices) if w else next(fixed_it) for w in want_layer]
         consts, params = _as(consts, dtypes[0]), _as(params, dtypes[1])
         carry_in = _as(carry_in, dtypes[2])
-        with scan.body_state(), recomputing():
+        # Watched through autograd.grad too: hooks and Functions may read the layer there.
+        with scan.body_state(), recomputing(), scan.stack.watching():
             inputs = [_leaf(t, g) for t, g in zip(carry_in, carry_grad, strict=True)]
             const_inputs = [_leaf(t, g) for t, g in zip(consts, want_const, strict=True)]
             layer_inputs = [_leaf(t, g) for t, g in zip(params, want_layer, strict=True)]
