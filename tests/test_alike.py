@@ -542,30 +542,65 @@ def test_long_chains_of_equal_objects_do_not_recurse_without_bound() -> None:
 # --- any attribute of any submodule ---------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    kind=st.sampled_from(sorted(VALUES)),
-    path=st.sampled_from(["", "inner", "inner.deep", "lin"]),
-    name=st.sampled_from(["setting", "layer_idx", "_private", "training"]),
-    differing=st.lists(st.integers(1, DEPTH - 1), max_size=DEPTH - 1, unique=True),
-    read=st.booleans(),
-    form=st.sampled_from(["scan_layers", "ScannedLayers stacked"]),
-)
-def test_equal_to_the_loop_unless_forward_reads_a_difference_then_refused(
-    kind: str, path: str, name: str, differing: list[int], read: bool, form: str
+ANY_ATTRIBUTE = {
+    "kind": st.sampled_from(sorted(VALUES)),
+    "path": st.sampled_from(["", "inner", "inner.deep", "lin"]),
+    "name": st.sampled_from(["setting", "layer_idx", "_private", "training"]),
+    "differing": st.lists(st.integers(1, DEPTH - 1), max_size=DEPTH - 1, unique=True),
+    "read": st.booleans(),
+}
+
+
+def _equal_or_refused(
+    kind: str,
+    path: str,
+    name: str,
+    differing: list[int],
+    read: bool,
+    form: str,
+    device: torch.device,
 ) -> None:
-    """On eager CPU: the stacked form runs layer 0's module for every layer (as on XLA), the
-    per-layer one each layer's own, and both refuse the same stacks."""
+    """Layers differing (where ``differing``) in a value of ``kind`` at ``path``.``name``,
+    read or not: refused exactly when read and different, else the loop's result."""
     value = VALUES[kind]
     values = [i if i in differing else 0 for i in range(DEPTH)]
     factors = [value.factor(value.make(v)) for v in values]  # what each layer computes with
-    differs = any(f != factors[0] for f in factors)
     make = functools.partial(_layers, path, name, value, values, read)
-    if read and differs:
+    if read and any(f != factors[0] for f in factors):
         first = next(i for i, f in enumerate(factors) if f != factors[0])
-        _assert_refused(make, form, torch.device("cpu"), first, _where(path, name))
+        _assert_refused(make, form, device, first, _where(path, name))
     else:
-        _assert_loop_result(make, form, torch.device("cpu"))
+        _assert_loop_result(make, form, device)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**ANY_ATTRIBUTE, form=st.sampled_from(FORMS))
+def test_on_eager_cpu_any_attribute_is_equal_to_the_loop_or_refused(
+    kind: str, path: str, name: str, differing: list[int], read: bool, form: str
+) -> None:
+    """Off XLA each layer runs its own module, and refuses what XLA's template would."""
+    _equal_or_refused(kind, path, name, differing, read, form, torch.device("cpu"))
+
+
+@pytest.mark.xla
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(**ANY_ATTRIBUTE, form=st.sampled_from(FORMS[:3]))
+def test_on_xla_any_attribute_is_equal_to_the_loop_or_refused(
+    xla_device: torch.device,
+    kind: str,
+    path: str,
+    name: str,
+    differing: list[int],
+    read: bool,
+    form: str,
+) -> None:
+    """On XLA layer 0's module runs for every layer: what the check accepts must compute
+    what the loop computes."""
+    _equal_or_refused(kind, path, name, differing, read, form, xla_device)
 
 
 @pytest.mark.xla
