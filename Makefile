@@ -1,13 +1,18 @@
-# `make demo` and `make test` set up .venv themselves (torch 2.9.0 + torch_xla 2.9.0 + fairscale).
+# `make demo` and `make test` set up .venv themselves (torch 2.9.0 + torch_xla 2.9.0 + fairscale);
+# `make test` also sets up .venv-latest (the newest torch the index serves, no torch_xla).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LATEST := .venv-latest
+LATEST_PY := $(LATEST)/bin/python
+LATEST_STAMP := $(LATEST)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: venv test demo lint clean
+.PHONY: venv venv-latest test demo lint clean
 
 venv: $(STAMP)
+venv-latest: $(LATEST_STAMP)
 
 # Rebuilt when missing or when pyproject.toml changed; otherwise nothing happens.
 $(STAMP): pyproject.toml
@@ -16,9 +21,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[xla,fairscale,bench,hf,trl,lightning,examples,test,dev]'
 	touch $(STAMP)
 
-# Two processes, each test file in one of them (its module fixtures share compiled programs).
-test: venv
+# torch_xla has no build for the newest torch: this one runs what needs no torch_xla (eager
+# and torch.compile), the rest skipping.
+$(LATEST_STAMP): pyproject.toml
+	test -x $(LATEST_PY) || $(PYTHON) -m venv $(LATEST)
+	$(LATEST_PY) -m pip install --quiet --upgrade pip
+	$(LATEST_PY) -m pip install --quiet --upgrade torch -e '.[hf,test]'
+	touch $(LATEST_STAMP)
+
+# Two processes, each test file in one of them (its module fixtures share compiled programs);
+# then again on the newest torch.
+test: venv venv-latest
 	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(LATEST_PY) -c "import torch; print('newest torch:', torch.__version__)"
+	$(LATEST_PY) -m pytest -q -n 2 --dist loadfile
 
 # Every checkpointing tool side by side on XLA:CPU (about 7 minutes on 2 cores).
 demo: venv
@@ -30,4 +46,4 @@ lint: venv
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -395,7 +395,6 @@ def _lightning_run(checkpointing: bool) -> tuple[list[float], int]:
 
 @pytest.mark.xla
 @pytest.mark.filterwarnings("ignore::UserWarning:lightning.*")
-@pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
 def test_lightning_single_device_xla_trains_a_checkpointed_model_like_the_plain_one(
     xla_device: torch.device,
 ) -> None:
