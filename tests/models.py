@@ -102,3 +102,21 @@ def wrapped_copy(model: nn.Module, wrap: Callable[[nn.Module], Any]) -> nn.Modul
     # data now so that the first training step compiles the same program as the later ones.
     sync(next(twin.parameters()).device)
     return twin
+
+
+def tiny_gpt2(layers: int = 2, width: int = 32, **config: Any) -> nn.Module:
+    """A Hugging Face GPT-2 with Dropout 0.1 on embeddings, attention and residuals (its
+    defaults), vocabulary 64; ``config`` overrides GPT2Config's fields."""
+    import transformers
+
+    settings: dict[str, Any] = {
+        "vocab_size": 64,
+        "n_embd": width,
+        "n_layer": layers,
+        "n_head": 4,
+        "n_positions": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        **config,
+    }
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings))

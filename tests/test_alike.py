@@ -337,12 +337,18 @@ class Hooked(Layer):
         return x + torch.tanh(h)
 
 
-def _hooked(scales: list[float]) -> list[nn.Module]:
+def _each(cls: type[Layer], name: str, values: list[Any]) -> list[nn.Module]:
+    """Layers of ``cls`` (reading nothing of ``Layer``'s kinds), layer ``i`` holding
+    ``values[i]`` as ``name``."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = [Hooked(None) for _ in scales]
-    for layer, scale in zip(layers, scales, strict=True):
-        layer.grad_scale = scale
+    layers: list[nn.Module] = [cls(None) for _ in values]
+    for layer, value in zip(layers, values, strict=True):
+        setattr(layer, name, value)
     return layers
+
+
+def _hooked(scales: list[float]) -> list[nn.Module]:
+    return _each(Hooked, "grad_scale", scales)
 
 
 @pytest.mark.xla
@@ -372,11 +378,7 @@ def test_a_plain_tensor_that_needs_gradients_is_each_layers_own_whatever_it_hold
     sum of all."""
 
     def make() -> list[nn.Module]:
-        torch.manual_seed(0)
-        layers: list[nn.Module] = [Gated(None) for _ in range(DEPTH)]
-        for layer in layers:
-            layer.gate = torch.ones(WIDTH, requires_grad=True)
-        return layers
+        return _each(Gated, "gate", [torch.ones(WIDTH, requires_grad=True) for _ in range(DEPTH)])
 
     for form in FORMS:
         message = _assert_refused(make, form, device, 1, "gate")
@@ -412,11 +414,7 @@ def test_values_behind_a_class_property_and_signed_zeros(
     values: list[float], refused: bool, device: torch.device
 ) -> None:
     def make() -> list[nn.Module]:
-        torch.manual_seed(0)
-        layers: list[nn.Module] = [Validated(None) for _ in values]
-        for layer, value in zip(layers, values, strict=True):
-            layer.scale = value
-        return layers
+        return _each(Validated, "scale", values)
 
     first = next((i for i, v in enumerate(values) if repr(v) != repr(values[0])), None)
     for form in FORMS:
@@ -508,15 +506,10 @@ def test_a_class_that_refuses_subclasses_counts_its_differences_as_read() -> Non
         def __init_subclass__(cls, *, kind: str, **kwargs: Any) -> None:
             super().__init_subclass__(**kwargs)
 
-    def make(values: list[int]) -> list[nn.Module]:
-        torch.manual_seed(0)
-        layers: list[nn.Module] = [Registered(None) for _ in values]
-        for layer, value in zip(layers, values, strict=True):
-            layer.setting = value
-        return layers
-
     for form in FORMS:
-        _assert_refused(lambda: make([0, 1, 1]), form, torch.device("cpu"), 1, "setting")
+        _assert_refused(
+            lambda: _each(Registered, "setting", [0, 1, 1]), form, torch.device("cpu"), 1, "setting"
+        )
 
 
 def test_long_chains_of_equal_objects_do_not_recurse_without_bound() -> None:

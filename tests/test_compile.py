@@ -20,6 +20,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 
+from models import tiny_gpt2
+
 WIDTH = 32
 
 
@@ -180,20 +182,10 @@ def test_every_entry_point_compiles_whole_and_trains_as_eager(how: str) -> None:
 
 
 def test_the_transformers_drop_in_compiles_whole_and_trains_as_eager() -> None:
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_embd=WIDTH,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )  # Dropout 0.1 everywhere
-    plain = transformers.GPT2LMHeadModel(config).train()
+    plain = tiny_gpt2(layers=2, width=WIDTH, use_cache=False).train()  # Dropout 0.1
     twin = copy.deepcopy(plain)
     xla_hf.gradient_checkpointing_enable(twin, policy="dots_saveable")
     ids = torch.randint(0, 64, (BATCH, 16), generator=torch.Generator().manual_seed(0))

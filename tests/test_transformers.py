@@ -17,6 +17,8 @@ from torch import nn
 import xla_wrap
 from xla_wrap import _stacked
 
+from models import tiny_gpt2
+
 transformers = pytest.importorskip("transformers")
 xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
 
@@ -38,17 +40,7 @@ def llama(layers: int = 2, width: int = 32) -> nn.Module:
 
 
 def gpt2(layers: int = 2, width: int = 32) -> nn.Module:
-    # Dropout 0.1 on embeddings, attention and residuals (GPT-2's defaults).
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=width,
-        n_layer=layers,
-        n_head=4,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2(layers, width)
 
 
 MODELS = [pytest.param(llama, id="llama"), pytest.param(gpt2, id="gpt2")]
@@ -203,9 +195,10 @@ def test_bad_models_and_options_are_refused_with_what_to_do(
         xla_hf.gradient_checkpointing_enable(gpt2(), every_n_layers=0)
     with pytest.raises(xla_wrap.CheckpointTypeError, match="preserve_rng_state, use_reentrant"):
         xla_hf.gradient_checkpointing_enable(gpt2(), reentrant=True)
+    model = gpt2()
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'xla_wrap\[hf\]'"):
-        xla_hf.gradient_checkpointing_enable(gpt2())
+        xla_hf.gradient_checkpointing_enable(model)
 
 
 @pytest.mark.parametrize("make", MODELS)
@@ -335,19 +328,7 @@ def test_scan_refuses_gpt2_when_its_attention_scales_by_the_layer_index(
     By default GPT-2 reads nothing that differs (its index only for a cache, which training
     does not pass) and scans (test above)."""
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=3,
-            n_head=4,
-            n_positions=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            scale_attn_by_inverse_layer_idx=True,
-            use_cache=False,
-        )
-    )
+    model = tiny_gpt2(layers=3, scale_attn_by_inverse_layer_idx=True, use_cache=False)
     xla_hf.gradient_checkpointing_enable(model, scan=True, stack_parameters=stacked)
     model.to(device)
     head_scale = (32 / 4) ** -0.5  # 1 / sqrt(head_dim), then / (layer_idx + 1)
