@@ -354,6 +354,55 @@ def test_dots_saveable_keeps_convolutions_as_aten_names_them() -> None:
     assert counts[None] == 1 and counts["dots_saveable"] == 0
 
 
+# --- scanned stacks ----------------------------------------------------------------------------
+
+
+class Scanned(nn.Module):
+    """The stack's loop, through ``scan_layers`` or over a scanned list."""
+
+    def __init__(self, blocks: nn.ModuleList, *, call: bool) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.call = call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.call:
+            return xla_wrap.scan_layers(self.blocks, x, policy="dots_saveable")
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["scan_layers", "ScannedLayers", "apply_scan"])
+def test_scanned_stacks_compile_whole_as_the_checkpointed_loop(how: str) -> None:
+    """Inside torch.compile a scanned stack runs as the checkpointed loop (the compiler's
+    checkpoint per layer): no graph break, the eager plain model's step with Dropout."""
+    plain, _ = _wrapped("checkpoint_wrapper", dropout=0.1)
+    blocks = copy.deepcopy(plain.blocks)
+    if how == "scan_layers":
+        twin: nn.Module = Scanned(blocks, call=True)
+    elif how == "ScannedLayers":
+        twin = Scanned(xla_wrap.ScannedLayers(blocks), call=False)
+    else:
+        twin = xla_wrap.apply_scan(Scanned(blocks, call=False))
+        assert isinstance(twin.blocks, xla_wrap.ScannedLayers)
+    expected = _step(plain, None)
+    graphs = _Graphs()
+    got = _step(twin, graphs.backend)
+    assert _graph_breaks() == {}
+    _assert_same_step(expected, got, exact=True)
+    assert graphs.recompute_tags() > 0  # checkpointed, layer by layer
+
+
+def test_stacked_parameters_inside_compile_are_refused_naming_the_way_out() -> None:
+    plain, _ = _wrapped("checkpoint_wrapper", dropout=0.0)
+    twin = Scanned(
+        xla_wrap.ScannedLayers(copy.deepcopy(plain.blocks), stack_parameters=True), call=False
+    )
+    with pytest.raises(xla_wrap.CheckpointValueError, match="stack_parameters"):
+        torch.compile(twin, backend="aot_eager")(_x())
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from . import _alike, _autocast, _offload, _rng, _selective, _stacked, _xla
+from . import _alike, _autocast, _compiled, _offload, _rng, _selective, _stacked, _xla
 from . import checkpoint_policies as cp
 from ._checkpoint import run_checkpointed
 from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
@@ -115,8 +115,10 @@ def run_scan(
     offload_to_cpu: bool,
 ) -> Any:
     """:func:`scan_layers`, with ``api`` naming the caller in errors."""
-    stack = _LayerStack.of(layers, api)
     options = make_options(api, policy=policy, offload_to_cpu=offload_to_cpu)
+    if _compiled.compiling():
+        return compiled_loop(api, list(layers), args, kwargs, options)
+    stack = _LayerStack.of(layers, api)
     if stack.wrapped_options is not None and policy is None and not offload_to_cpu:
         options = stack.wrapped_options
     if not args:
@@ -370,6 +372,43 @@ def _loop(
         )
         _check_carry(given, given.tensors, Flat.of(carry))  # refused as on XLA
     return carry
+
+
+def compiled_loop(
+    api: str,
+    layers: list[nn.Module],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: CheckpointOptions,
+) -> Any:
+    """Inside ``torch.compile``: the loop, each layer checkpointed as the compiler's
+    checkpoint (:func:`compiled_layer`)."""
+    carry = args[0]
+    for index in range(len(layers)):
+        carry = compiled_layer(api, layers, index, options, carry, *args[1:], **kwargs)
+    return carry
+
+
+def compiled_layer(
+    api: str,
+    layers: Sequence[nn.Module],
+    index: int,
+    options: CheckpointOptions,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Layer ``index`` inside ``torch.compile``: its own module, no template, so nothing to
+    check the layers alike for."""
+    if _stacked.slot(layers[0]) is not None:
+        raise CheckpointValueError(
+            f"{api}: stacked parameters (stack_parameters=True) are not supported inside "
+            "torch.compile yet: a layer would run on its slices through a reparametrization "
+            "Dynamo cannot trace inside the checkpoint. Compile the model with per-layer "
+            "parameters (xla_wrap.unscan, then ScannedLayers/apply_scan without "
+            "stack_parameters), or keep stacked parameters on torch_xla's lazy tensors."
+        )
+    forward = _own_forward(layers[index])
+    return run_checkpointed(api, forward, args, kwargs, owners=(), options=options)
 
 
 _SLICES = "_xla_wrap_parameter_slices"  # the keyword that hands _run_slot its layer's slices

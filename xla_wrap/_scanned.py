@@ -12,16 +12,17 @@ loops over the whole list (or a slice of it) qualify (docs/scan.md lists the mod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from torch import nn
 
-from . import _stacked
+from . import _compiled, _stacked
 from . import checkpoint_policies as cp
 from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from ._options import make_options
-from ._scan import _LayerStack, run_scan
+from ._scan import _LayerStack, compiled_layer, run_scan
 
 M = TypeVar("M", bound=nn.Module)
 _OPTIONS = "_xla_wrap_scan_options"
@@ -86,6 +87,8 @@ class ScannedLayers(nn.ModuleList):
         layers = list(self._modules.values())
         if not layers:
             return iter(())
+        if _compiled.compiling():  # each layer, checkpointed as the compiler's checkpoint
+            return iter(_compiled_layers(self, layers))
         run = _StackRun(lambda args, kwargs: self._run_stack(layers, args, kwargs))
         stand_ins: list[Any] = [_Stage(run, i, layer) for i, layer in enumerate(layers)]
         return iter(stand_ins)
@@ -107,6 +110,16 @@ class ScannedLayers(nn.ModuleList):
             f"ScannedLayers(\n  (0): {first}\n  {others}parameters stacked in layer 0 "
             f"({count} layers)\n)"
         )
+
+
+def _compiled_layers(scanned: ScannedLayers, layers: list[nn.Module]) -> list[Any]:
+    """What a loop over a scanned list calls inside ``torch.compile``: each layer, run alone
+    as the compiler's checkpoint (on its own slices where the parameters are stacked)."""
+    options = make_options("xla_wrap.ScannedLayers", **scanned.scan_options)
+    return [
+        functools.partial(compiled_layer, "xla_wrap.ScannedLayers", layers, index, options)
+        for index in range(len(layers))
+    ]
 
 
 class _StackRun:
