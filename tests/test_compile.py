@@ -181,13 +181,14 @@ def test_every_entry_point_compiles_whole_and_trains_as_eager(how: str) -> None:
     _assert_same_step(expected, got, exact=True)
 
 
-def test_the_transformers_drop_in_compiles_whole_and_trains_as_eager() -> None:
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scan"])
+def test_the_transformers_drop_in_compiles_whole_and_trains_as_eager(scan: bool) -> None:
     pytest.importorskip("transformers")
     xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
     torch.manual_seed(0)
     plain = tiny_gpt2(layers=2, width=WIDTH, use_cache=False).train()  # Dropout 0.1
     twin = copy.deepcopy(plain)
-    xla_hf.gradient_checkpointing_enable(twin, policy="dots_saveable")
+    xla_hf.gradient_checkpointing_enable(twin, policy="dots_saveable", scan=scan)
     ids = torch.randint(0, 64, (BATCH, 16), generator=torch.Generator().manual_seed(0))
 
     def step(model: nn.Module, compiled: bool) -> tuple[torch.Tensor, list]:

@@ -12,7 +12,6 @@ loops over the whole list (or a slice of it) qualify (docs/scan.md lists the mod
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -114,12 +113,24 @@ class ScannedLayers(nn.ModuleList):
 
 def _compiled_layers(scanned: ScannedLayers, layers: list[nn.Module]) -> list[Any]:
     """What a loop over a scanned list calls inside ``torch.compile``: each layer, run alone
-    as the compiler's checkpoint (on its own slices where the parameters are stacked)."""
+    as the compiler's checkpoint."""
     options = make_options("xla_wrap.ScannedLayers", **scanned.scan_options)
-    return [
-        functools.partial(compiled_layer, "xla_wrap.ScannedLayers", layers, index, options)
-        for index in range(len(layers))
-    ]
+    return [_CompiledStage(layers, index, options) for index in range(len(layers))]
+
+
+class _CompiledStage:
+    """Layer ``index`` of a scanned list inside ``torch.compile``: called, the layer as the
+    compiler's checkpoint; otherwise the layer (``layer.attention_type`` and the like)."""
+
+    def __init__(self, layers: list[nn.Module], index: int, options: Any) -> None:
+        self.layers, self.index, self.options = layers, index, options
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layers[self.index], name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        api = "xla_wrap.ScannedLayers"
+        return compiled_layer(api, self.layers, self.index, self.options, *args, **kwargs)
 
 
 class _StackRun:
