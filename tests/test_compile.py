@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -332,6 +333,83 @@ def test_a_names_policy_keeps_exactly_the_named_values_under_compile(
     full, names = compiled_graphs["xla_wrap"], compiled_graphs["names"]
     hidden = BATCH * SEQ * 4 * WIDTH * 4  # one float32 [batch, seq, 4 * width] per block
     assert names.saved_bytes() == full.saved_bytes() + len(Stack().blocks) * hidden
+
+
+class Scores(nn.Module):
+    """Attention scores by hand: ``q @ k.T`` is a batched matrix product (``bmm``), the
+    projections are not (``mm``/``addmm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(WIDTH, WIDTH)
+        self.k = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-2, -1)
+        return x + torch.softmax(scores, dim=-1) @ x
+
+
+def test_dots_with_no_batch_dims_keep_the_projections_and_recompute_the_scores() -> None:
+    torch.manual_seed(0)
+    plain = Scores()
+    counts = {}
+    for policy in (None, "dots_saveable", "dots_with_no_batch_dims_saveable"):
+        torch._dynamo.reset()
+        graphs = _Graphs()
+        model = copy.deepcopy(plain)
+        run = torch.compile(
+            lambda x, m=model, p=policy: xla_wrap.checkpoint(m, x, policy=p),
+            backend=graphs.backend,
+            fullgraph=True,
+        )
+        run(_x()).sum().backward()
+        counts[policy] = (
+            graphs.backward_ops(torch.ops.aten.mm, torch.ops.aten.addmm),
+            graphs.backward_ops(torch.ops.aten.bmm),
+        )
+    (mm_full, bmm_full), (mm_dots, bmm_dots), (mm_nb, bmm_nb) = counts.values()
+    assert mm_nb == mm_dots < mm_full  # projections kept, as by dots_saveable
+    assert bmm_nb == bmm_full > bmm_dots  # the scores recomputed, as without a policy
+
+
+def test_save_any_names_but_these_keeps_every_other_tagged_value(
+    compiled_graphs: dict[str, _Graphs],
+) -> None:
+    torch.manual_seed(0)
+    plain = Stack()
+    saved = {}
+    for excluded in ((), ("hidden",)):
+        torch._dynamo.reset()
+        twin = copy.deepcopy(plain)
+        policy = cp.save_any_names_but_these(*excluded)
+        xla_wrap.apply_activation_checkpointing(twin, lambda m: isinstance(m, Block), policy=policy)
+        saved[excluded] = _graphs(twin).saved_bytes()
+    assert saved[()] == compiled_graphs["names"].saved_bytes()  # the only tag: "hidden"
+    assert saved[("hidden",)] == compiled_graphs["xla_wrap"].saved_bytes()
+
+
+def test_offload_policies_offload_where_torch_can_and_keep_the_values_elsewhere() -> None:
+    """With CheckpointPolicy.MUST_CPU_OFFLOAD (newer torch) the offloaded values are the
+    compiler's to place; without it (torch 2.9) a warning says they stay on the device. The
+    gradients are the eager ones either way."""
+    layer = nn.Linear(WIDTH, WIDTH)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        policy = cp.offload_dot_with_no_batch_dims()
+        return xla_wrap.checkpoint(lambda t: torch.tanh(layer(t)), x, policy=policy).sum()
+
+    x = _x().requires_grad_()
+    expected = torch.autograd.grad(torch.tanh(layer(x)).sum(), x)[0]
+    from xla_wrap import _compiled
+
+    _compiled._warn_offload_kept_once.cache_clear()  # once per process: this test's to see
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(step, backend="aot_eager", fullgraph=True)(x).backward()
+    torch.testing.assert_close(x.grad, expected)
+    kept = [w for w in caught if "MUST_CPU_OFFLOAD" in str(w.message)]
+    offloads = hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD")
+    assert (not kept) if offloads else (torch.__version__ in str(kept[0].message))
 
 
 def test_dots_saveable_keeps_convolutions_as_aten_names_them() -> None:

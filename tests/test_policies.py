@@ -52,6 +52,8 @@ POLICIES: dict[str, tuple[Any, int]] = {
         0,
     ),
     "callable": (_keeps_wide_linear, 1),
+    "dots_with_no_batch_dims_saveable": (cp.dots_with_no_batch_dims_saveable, 0),
+    "save_any_names_but_these-fc2": (cp.save_any_names_but_these("fc2"), 1),
 }
 
 
@@ -124,6 +126,47 @@ def test_policy_sees_functions_names_and_shapes() -> None:
         ("add", None),
     ]
     assert seen[0].shapes == ((BATCH, HIDDEN),) and seen[0].nbytes == 4 * BATCH * HIDDEN
+    assert seen[0].input_shapes == ((BATCH, WIDTH), (HIDDEN, WIDTH), (HIDDEN,))  # x, w, b
+
+
+class Attention(nn.Module):
+    """Projections (matrix products without batch dimensions) and scores ``q @ k.T`` (one
+    with them: both operands have a batch dimension)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(WIDTH, WIDTH)
+        self.k = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-2, -1)
+        return x + torch.softmax(scores, dim=-1) @ x
+
+
+def test_dots_with_no_batch_dims_keep_projections_and_recompute_scores() -> None:
+    block = Attention()
+    x = torch.randn(2, 5, WIDTH, requires_grad=True)
+
+    def kept(policy: Any) -> list[tuple[int, ...]]:
+        residuals = introspect.saved_residuals(
+            lambda t: xla_wrap.checkpoint(block, t, policy=policy), x
+        )
+        return [r.shape for r in residuals if r.kind == "activation"]
+
+    projection, scores, mixed = (2, 5, WIDTH), (2, 5, 5), (2, 5, WIDTH)
+    assert kept(cp.dots_saveable) == [projection, projection, scores, mixed]
+    assert kept(cp.dots_with_no_batch_dims_saveable) == [projection, projection]
+    assert kept("dots_with_no_batch_dims_saveable") == [projection, projection]
+
+
+def test_offload_dot_with_no_batch_dims_offloads_what_the_saveable_one_keeps() -> None:
+    policy = cp.offload_dot_with_no_batch_dims()
+    linear = cp.Op("linear", None, ((2, 8),), 64, ((2, 4), (8, 4)))
+    scores = cp.Op("matmul", None, ((2, 5, 5),), 200, ((2, 5, 4), (2, 4, 5)))
+    assert cp.decide(policy, linear) is cp.Decision.OFFLOAD
+    assert cp.decide(policy, scores) is cp.Decision.RECOMPUTE
+    with pytest.raises(xla_wrap.CheckpointValueError, match="offload_dst 'pinned_host'"):
+        cp.offload_dot_with_no_batch_dims("device", "disk")
 
 
 def test_checkpoint_name_outside_a_checkpoint_returns_the_tensor() -> None:

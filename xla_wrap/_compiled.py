@@ -20,12 +20,14 @@ find it by name.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils import _pytree as pytree
 
 from . import checkpoint_policies as cp
 from ._errors import CheckpointValueError
@@ -86,6 +88,10 @@ def _spec(policy: cp.SavePolicy) -> Any:
         return ("names", tuple(sorted(policy.saved)), tuple(sorted(policy.offloaded)))
     if isinstance(policy, cp._Both):
         return ("both", _spec(policy.first), _spec(policy.second))
+    if isinstance(policy, cp._AllNamesBut):
+        return ("all_but", tuple(sorted(policy.excluded)))
+    if isinstance(policy, cp._OffloadDotsWithoutBatch):
+        return ("offload_dots",)
     return ("function", policy)
 
 
@@ -94,6 +100,10 @@ def _policy_of(spec: Any) -> cp.SavePolicy:
         return cp._Named(saved=frozenset(spec[1]), offloaded=frozenset(spec[2]))
     if spec[0] == "both":
         return cp._Both(_policy_of(spec[1]), _policy_of(spec[2]))
+    if spec[0] == "all_but":
+        return cp._AllNamesBut(frozenset(spec[1]))
+    if spec[0] == "offload_dots":
+        return cp._OffloadDotsWithoutBatch()
     policy: cp.SavePolicy = spec[1]
     return policy
 
@@ -117,21 +127,34 @@ class _Policy:
         if func is _NAME:
             op = cp.Op(function="checkpoint_name", name=args[1], shapes=(), nbytes=0)
         else:
-            op = cp.Op(function=_aten_name(func), name=None, shapes=(), nbytes=0)
+            inputs = pytree.tree_leaves((args, kwargs))
+            shapes = tuple(tuple(i.shape) for i in inputs if isinstance(i, torch.Tensor))
+            op = cp.Op(_aten_name(func), None, shapes=(), nbytes=0, input_shapes=shapes)
         decision = cp.decide(self.policy, op)
         if decision is cp.Decision.SAVE:
             return torch_checkpoint.CheckpointPolicy.MUST_SAVE
         if decision is cp.Decision.OFFLOAD:
             offload = getattr(torch_checkpoint.CheckpointPolicy, "MUST_CPU_OFFLOAD", None)
-            if offload is None:
-                raise CheckpointValueError(
-                    f"{self.api}: the policy offloads {op.name or op.function!r}, which inside "
-                    f"torch.compile needs CheckpointPolicy.MUST_CPU_OFFLOAD; torch "
-                    f"{torch.__version__} has none. Use a policy that saves or recomputes "
-                    "instead, or a newer torch."
-                )
-            return offload
+            if offload is not None:
+                return offload
+            # Raising here, inside AOTAutograd's trace of the checkpoint, would leave torch's
+            # checkpoint hooks installed for whatever runs next; kept on the device instead,
+            # as XLA:CPU keeps offloaded values.
+            _warn_offload_kept_once(self.api)
+            return torch_checkpoint.CheckpointPolicy.MUST_SAVE
         return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _warn_offload_kept_once(api: str) -> None:
+    warnings.warn(
+        f"{api}: the policy offloads values, which inside torch.compile needs "
+        f"CheckpointPolicy.MUST_CPU_OFFLOAD; torch {torch.__version__} has none, so they stay "
+        "in device memory (saved, not recomputed). Use a newer torch to offload, or a policy "
+        "that saves less to save memory.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _aten_name(func: Any) -> str:

@@ -123,7 +123,7 @@ class Selection:
         occurrence = self._count
         self._count += 1
         if self._substitutes is None:
-            self._record(occurrence, function, name, tensors)
+            self._record(occurrence, function, name, tensors, inputs)
             return value
         if occurrence >= len(self.functions) or self.functions[occurrence] != function:
             expected = self.functions[occurrence : occurrence + 1] or ["nothing more"]
@@ -144,7 +144,12 @@ class Selection:
         return flat.rebuild(substitutes)
 
     def _record(
-        self, occurrence: int, function: str, name: str | None, tensors: Sequence[torch.Tensor]
+        self,
+        occurrence: int,
+        function: str,
+        name: str | None,
+        tensors: Sequence[torch.Tensor],
+        inputs: Sequence[object],
     ) -> None:
         self.functions.append(function)
         op = cp.Op(
@@ -152,6 +157,7 @@ class Selection:
             name=name,
             shapes=tuple(tuple(t.shape) for t in tensors),
             nbytes=sum(t.numel() * t.element_size() for t in tensors),
+            input_shapes=tuple(tuple(i.shape) for i in inputs if isinstance(i, torch.Tensor)),
         )
         decision = cp.decide(self.policy, op)
         if decision is cp.Decision.RECOMPUTE:
@@ -177,16 +183,24 @@ class _Substitute(torch.autograd.Function):
 
 
 def _is_candidate(function: str, tensors: Sequence[torch.Tensor], inputs: Sequence[object]) -> bool:
-    """An operation a policy decides on: it returns differentiable tensors, none of them a view
-    or one of its inputs (free to recompute: ``x.to(x.dtype)`` returns ``x``), and it is not
-    in-place (its output is its input, changed). The answer must not depend on whether an
-    input is a view, which a barriered copy is not."""
+    """An operation a policy decides on: it returns differentiable tensors, none of them one
+    of its inputs or a view of one (free to recompute: ``x.to(x.dtype)`` returns ``x``,
+    ``x.view(...)`` its storage), and it is not in-place (its output is its input, changed).
+    A view of a tensor the operation made itself is a result like any other (``linear`` on a
+    3-D input returns a view of its matrix product). The answer must not depend on whether an
+    input is a view, which a barriered copy is not: inputs and outputs are compared by the
+    tensor they view."""
     if not tensors or not any(t.requires_grad for t in tensors):
         return False
     if function.endswith("_") and not function.endswith("__"):
         return False
-    ids = {id(i) for i in inputs}
-    return not any(id(t) in ids or t._is_view() for t in tensors)
+    bases = {id(_base(i)) for i in inputs if isinstance(i, torch.Tensor)}
+    return not any(id(_base(t)) in bases for t in tensors)
+
+
+def _base(tensor: torch.Tensor) -> torch.Tensor:
+    base = tensor._base if tensor._is_view() else None
+    return tensor if base is None else base
 
 
 class _Mode(TorchFunctionMode):

@@ -39,10 +39,13 @@ __all__ = [
     "Op",
     "SavePolicy",
     "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
     "everything_saveable",
     "nothing_saveable",
+    "offload_dot_with_no_batch_dims",
     "offload_these_names",
     "save_and_offload_only_these_names",
+    "save_any_names_but_these",
     "save_from_both_policies",
     "save_only_these_names",
 ]
@@ -64,14 +67,17 @@ class Op:
         function: The name of the torch function that computed it (``"linear"``, ``"matmul"``
             for ``a @ b``, ``"conv2d"``, ``"gelu"``), or ``"checkpoint_name"`` for a tagged value.
         name: The tag given with :func:`xla_wrap.checkpoint_name`; ``None`` for operations.
-        shapes: The shape of each tensor the operation returned.
-        nbytes: Their total size in bytes.
+        shapes: The shape of each tensor the operation returned (empty inside
+            ``torch.compile``, where a policy is asked before the operation runs).
+        nbytes: Their total size in bytes (0 inside ``torch.compile``).
+        input_shapes: The shape of each tensor the operation took, in order.
     """
 
     function: str
     name: str | None
     shapes: tuple[tuple[int, ...], ...]
     nbytes: int
+    input_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 SavePolicy = Callable[[Op], "bool | Decision"]
@@ -119,6 +125,59 @@ def dots_saveable(op: Op) -> bool:
     """Keep the outputs of matrix products and convolutions (:data:`DOT_FUNCTIONS`); recompute
     the cheap elementwise work around them (normalization, activations, softmax, Dropout)."""
     return op.function in DOT_FUNCTIONS
+
+
+#: Matrix products without batch dimensions whatever their operands; ``matmul`` and ``einsum``
+#: have batch dimensions when two operands have three or more dimensions.
+_DOTS_WITHOUT_BATCH = frozenset({"linear", "mm", "addmm", "mv", "addmv", "dot", "tensordot"})
+_DOTS_MAYBE_BATCHED = frozenset({"matmul", "einsum"})
+
+
+def dots_with_no_batch_dims_saveable(op: Op) -> bool:
+    """Keep the outputs of matrix products without batch dimensions (JAX's policy of the same
+    name): a layer's ``linear`` and ``x @ w`` with a 2-D ``w``, but not attention's
+    ``q @ k.T`` or ``bmm``, whose outputs grow with the sequence length squared. Convolutions
+    are recomputed."""
+    if op.function in _DOTS_WITHOUT_BATCH:
+        return True
+    if op.function in _DOTS_MAYBE_BATCHED:
+        return sum(len(shape) >= 3 for shape in op.input_shapes) < 2
+    return False
+
+
+def offload_dot_with_no_batch_dims(
+    offload_src: str = "device", offload_dst: str = "pinned_host"
+) -> SavePolicy:
+    """Keep in host memory what :func:`dots_with_no_batch_dims_saveable` keeps (JAX's policy
+    of the same name; the memory kinds are JAX's, and the only ones there are here)."""
+    api = "xla_wrap.checkpoint_policies.offload_dot_with_no_batch_dims"
+    if offload_src != "device" or offload_dst not in ("pinned_host", "unpinned_host"):
+        raise CheckpointValueError(
+            f"{api}: expected offload_src='device' and offload_dst 'pinned_host' or "
+            f"'unpinned_host', got {offload_src!r} and {offload_dst!r}. Values move from the "
+            "device to host memory; pass the defaults."
+        )
+    return _OffloadDotsWithoutBatch()
+
+
+@dataclass(frozen=True)
+class _OffloadDotsWithoutBatch:
+    def __call__(self, op: Op) -> Decision:
+        return Decision.OFFLOAD if dots_with_no_batch_dims_saveable(op) else Decision.RECOMPUTE
+
+
+def save_any_names_but_these(*names: str) -> SavePolicy:
+    """Keep every value tagged with :func:`xla_wrap.checkpoint_name` except those tagged with
+    one of ``names`` (JAX's policy of the same name)."""
+    return _AllNamesBut(_names("save_any_names_but_these", names, allow_empty=True))
+
+
+@dataclass(frozen=True)
+class _AllNamesBut:
+    excluded: frozenset[str]
+
+    def __call__(self, op: Op) -> bool:
+        return op.name is not None and op.name not in self.excluded
 
 
 def save_only_these_names(*names: str) -> SavePolicy:
@@ -241,4 +300,5 @@ _BY_NAME: dict[str, SavePolicy] = {
     "nothing_saveable": nothing_saveable,
     "everything_saveable": everything_saveable,
     "dots_saveable": dots_saveable,
+    "dots_with_no_batch_dims_saveable": dots_with_no_batch_dims_saveable,
 }
