@@ -172,3 +172,22 @@ def test_the_depth_sweep_runs_loops_against_scans_at_each_depth() -> None:
     assert sizes["dropout_pct"] == 10 and variants == ["none", "xla_wrap"]
     with pytest.raises(SystemExit):
         parse_args(["--depth", "12,0"])
+
+
+def test_the_compile_section_measures_every_variant_in_one_process(tmp_path: Path) -> None:
+    """``--compile``: inductor on the CPU; the checkpoints reach the compiler (tags, fewer
+    bytes saved than without, PyTorch's own bytes), dots_saveable recomputes no matmul, and
+    every variant's gradients are the uncheckpointed compiled model's."""
+    from xla_wrap.bench._cli import main
+
+    assert main(["--compile", "--quick", "--steps", "1", "--out", str(tmp_path)]) == 0
+    runs = {r["variant"]: r for r in json.loads((tmp_path / "compile.json").read_text())["runs"]}
+    none, torch_own, ours, dots = (
+        runs[v] for v in ("none", "torch checkpoint_wrapper", "xla_wrap", "xla_wrap dots_saveable")
+    )
+    assert all(r["graph_breaks"] == 0 and r["grads_equal"] for r in runs.values())
+    assert ours["saved_bytes"] == torch_own["saved_bytes"] < none["saved_bytes"]
+    assert ours["backward_matmuls"] == torch_own["backward_matmuls"] > none["backward_matmuls"]
+    assert dots["backward_matmuls"] == none["backward_matmuls"]
+    assert ours["recompute_tags"] > 0 == none["recompute_tags"]
+    assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in runs.values())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import xla_wrap
 from xla_wrap import checkpoint_policies as cp
+from xla_wrap import introspect
 
 from models import tiny_gpt2
 
@@ -223,63 +224,18 @@ def test_under_inductor_the_recomputation_uses_the_forwards_masks() -> None:
 # --- what the compiler sees ---------------------------------------------------------------------
 
 
-class _Graphs:
-    """An AOTAutograd backend (min-cut partitioner, as inductor's) that keeps the partitioned
-    forward and backward graphs."""
-
-    def __init__(self) -> None:
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-        from torch._dynamo.backends.common import aot_autograd
-
-        self.forward: torch.fx.GraphModule | None = None
-        self.backward: torch.fx.GraphModule | None = None
-
-        def keep(kind: str) -> Callable[..., Any]:
-            def compiler(gm: torch.fx.GraphModule, _: Any) -> Any:
-                setattr(self, kind, gm)
-                return make_boxed_func(gm.forward)
-
-            return compiler
-
-        self.backend = aot_autograd(
-            fw_compiler=keep("forward"),
-            bw_compiler=keep("backward"),
-            partition_fn=min_cut_rematerialization_partition,
-        )
-
-    def saved_bytes(self) -> int:
-        """What the forward keeps for backward: its outputs after the model's own one."""
-        assert self.forward is not None
-        output = next(n for n in self.forward.graph.nodes if n.op == "output")
-        values = [a.meta.get("val") for a in output.args[0][1:] if isinstance(a, torch.fx.Node)]
-        return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-
-    def backward_ops(self, *packets: Any) -> int:
-        assert self.backward is not None
-        return sum(
-            1
-            for n in self.backward.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "overloadpacket", None) in packets
-        )
-
-    def recompute_tags(self) -> int:
-        assert self.backward is not None
-        tags = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
-        return sum(1 for n in self.backward.graph.nodes if n.meta.get("recompute") in tags)
-
-
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 
 
-def _graphs(model: nn.Module) -> _Graphs:
-    graphs = _Graphs()
+def _graphs(model: nn.Module) -> introspect.PartitionedGraphs:
+    graphs = introspect.PartitionedGraphs()
     _step(model, graphs.backend)
     assert _graph_breaks() == {}
     return graphs
 
 
 @pytest.fixture(scope="module")
-def compiled_graphs() -> dict[str, _Graphs]:
+def compiled_graphs() -> dict[str, introspect.PartitionedGraphs]:
     """The stack's partitioned graphs: plain, PyTorch's checkpoint_wrapper, and xla_wrap with
     each policy (Dropout 0)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -305,7 +261,7 @@ def compiled_graphs() -> dict[str, _Graphs]:
 
 
 def test_the_compiler_sees_a_checkpoint_and_recomputes_the_blocks(
-    compiled_graphs: dict[str, _Graphs],
+    compiled_graphs: dict[str, introspect.PartitionedGraphs],
 ) -> None:
     plain, torch_wrapped, ours = (compiled_graphs[k] for k in ("plain", "torch", "xla_wrap"))
     assert ours.saved_bytes() <= torch_wrapped.saved_bytes() < plain.saved_bytes()
@@ -319,7 +275,7 @@ def test_the_compiler_sees_a_checkpoint_and_recomputes_the_blocks(
 
 
 def test_dots_saveable_recomputes_no_matmul_under_compile(
-    compiled_graphs: dict[str, _Graphs],
+    compiled_graphs: dict[str, introspect.PartitionedGraphs],
 ) -> None:
     plain, dots = compiled_graphs["plain"], compiled_graphs["dots_saveable"]
     assert dots.backward_ops(*MATMULS) == plain.backward_ops(*MATMULS)
@@ -328,7 +284,7 @@ def test_dots_saveable_recomputes_no_matmul_under_compile(
 
 
 def test_a_names_policy_keeps_exactly_the_named_values_under_compile(
-    compiled_graphs: dict[str, _Graphs],
+    compiled_graphs: dict[str, introspect.PartitionedGraphs],
 ) -> None:
     full, names = compiled_graphs["xla_wrap"], compiled_graphs["names"]
     hidden = BATCH * SEQ * 4 * WIDTH * 4  # one float32 [batch, seq, 4 * width] per block
@@ -355,7 +311,7 @@ def test_dots_with_no_batch_dims_keep_the_projections_and_recompute_the_scores()
     counts = {}
     for policy in (None, "dots_saveable", "dots_with_no_batch_dims_saveable"):
         torch._dynamo.reset()
-        graphs = _Graphs()
+        graphs = introspect.PartitionedGraphs()
         model = copy.deepcopy(plain)
         run = torch.compile(
             lambda x, m=model, p=policy: xla_wrap.checkpoint(m, x, policy=p),
@@ -373,7 +329,7 @@ def test_dots_with_no_batch_dims_keep_the_projections_and_recompute_the_scores()
 
 
 def test_save_any_names_but_these_keeps_every_other_tagged_value(
-    compiled_graphs: dict[str, _Graphs],
+    compiled_graphs: dict[str, introspect.PartitionedGraphs],
 ) -> None:
     torch.manual_seed(0)
     plain = Stack()
@@ -419,7 +375,7 @@ def test_dots_saveable_keeps_convolutions_as_aten_names_them() -> None:
     counts = {}
     for policy in (None, "dots_saveable"):
         torch._dynamo.reset()
-        graphs = _Graphs()
+        graphs = introspect.PartitionedGraphs()
         model = copy.deepcopy(plain)
         run = torch.compile(
             lambda x, m=model, p=policy: xla_wrap.checkpoint(m, x, policy=p),
@@ -466,7 +422,7 @@ def test_scanned_stacks_compile_whole_as_the_checkpointed_loop(how: str) -> None
         twin = xla_wrap.apply_scan(Scanned(blocks, call=False))
         assert isinstance(twin.blocks, xla_wrap.ScannedLayers)
     expected = _step(plain, None)
-    graphs = _Graphs()
+    graphs = introspect.PartitionedGraphs()
     got = _step(twin, graphs.backend)
     assert _graph_breaks() == {}
     _assert_same_step(expected, got, exact=True)

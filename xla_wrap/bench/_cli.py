@@ -107,6 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "every uniform plan, on the transformer (Dropout off and on) and on blocks of unequal "
         "sizes",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the torch.compile section instead: the transformer compiled with inductor on the "
+        "CPU, none against PyTorch's checkpoint wrapper and xla_wrap (default, dots_saveable): "
+        "graph breaks, bytes saved for backward, backward matmuls, compile seconds, step time",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument(
         "--stock", action="store_true", help="keep XLA:CPU's barrier-stripping pass (no savings)"
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return _worker_main(args.worker)
     if args.plan:
         return _plan_main(args)
+    if args.compile:
+        return _compile_main(args)
     models = [m for m in args.models.split(",") if m]
     if args.depth:
         models = ["transformer"]
@@ -278,6 +287,36 @@ def _plan_main(args: argparse.Namespace) -> int:
     print(f"\nwrote {json_path}")
     print(f"total {time.monotonic() - started:.0f} s")
     return 0
+
+
+def _compile_main(args: argparse.Namespace) -> int:
+    from . import _compiled
+
+    sizes = _sizes(args, ["transformer"])["transformer"]
+    print(
+        f"xla_wrap.bench compile section: torch {torch_version()}, inductor on the CPU "
+        f"(fallback_random), {args.steps} timed steps per variant, in this process",
+        flush=True,
+    )
+    started = time.monotonic()
+    results = _compiled.run(sizes, args.steps, lambda line: print(line, flush=True))
+    table = _compiled.render(results)
+    print()
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / "compile.json"
+    json_path.write_text(
+        json.dumps({"sizes": sizes, "steps": args.steps, "runs": results}, indent=2)
+    )
+    print(f"\nwrote {json_path}")
+    print(f"total {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _variants_for(model: str, variants: list[str]) -> list[str]:
