@@ -120,3 +120,17 @@ def tiny_gpt2(layers: int = 2, width: int = 32, **config: Any) -> nn.Module:
         **config,
     }
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings))
+
+
+class Scores(nn.Module):
+    """Attention scores by hand: the projections are matrix products without batch
+    dimensions (``mm``/``addmm``), ``q @ k.T`` one with them (``bmm``)."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-2, -1)
+        return x + torch.softmax(scores, dim=-1) @ x

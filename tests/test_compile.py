@@ -22,7 +22,7 @@ import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import introspect
 
-from models import tiny_gpt2
+from models import Scores, tiny_gpt2
 
 WIDTH = 32
 
@@ -291,25 +291,13 @@ def test_a_names_policy_keeps_exactly_the_named_values_under_compile(
     assert names.saved_bytes() == full.saved_bytes() + len(Stack().blocks) * hidden
 
 
-class Scores(nn.Module):
-    """Attention scores by hand: ``q @ k.T`` is a batched matrix product (``bmm``), the
-    projections are not (``mm``/``addmm``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Linear(WIDTH, WIDTH)
-        self.k = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.q(x) @ self.k(x).transpose(-2, -1)
-        return x + torch.softmax(scores, dim=-1) @ x
-
-
-def test_dots_with_no_batch_dims_keep_the_projections_and_recompute_the_scores() -> None:
-    torch.manual_seed(0)
-    plain = Scores()
+def _backward_ops(
+    plain: nn.Module, x: torch.Tensor, policies: tuple[Any, ...], *packets: Any
+) -> dict[Any, int]:
+    """Per policy, how many calls of ``packets`` the backward of ``checkpoint(plain, x)``
+    makes, compiled."""
     counts = {}
-    for policy in (None, "dots_saveable", "dots_with_no_batch_dims_saveable"):
+    for policy in policies:
         torch._dynamo.reset()
         graphs = introspect.PartitionedGraphs()
         model = copy.deepcopy(plain)
@@ -318,11 +306,18 @@ def test_dots_with_no_batch_dims_keep_the_projections_and_recompute_the_scores()
             backend=graphs.backend,
             fullgraph=True,
         )
-        run(_x()).sum().backward()
-        counts[policy] = (
-            graphs.backward_ops(torch.ops.aten.mm, torch.ops.aten.addmm),
-            graphs.backward_ops(torch.ops.aten.bmm),
-        )
+        run(x).sum().backward()
+        counts[policy] = graphs.backward_ops(*packets)
+    return counts
+
+
+def test_dots_with_no_batch_dims_keep_the_projections_and_recompute_the_scores() -> None:
+    torch.manual_seed(0)
+    plain, x = Scores(WIDTH), _x()
+    policies = (None, "dots_saveable", "dots_with_no_batch_dims_saveable")
+    mms = _backward_ops(plain, x, policies, torch.ops.aten.mm, torch.ops.aten.addmm)
+    bmms = _backward_ops(plain, x, policies, torch.ops.aten.bmm)
+    counts = {p: (mms[p], bmms[p]) for p in policies}
     (mm_full, bmm_full), (mm_dots, bmm_dots), (mm_nb, bmm_nb) = counts.values()
     assert mm_nb == mm_dots < mm_full  # projections kept, as by dots_saveable
     assert bmm_nb == bmm_full > bmm_dots  # the scores recomputed, as without a policy
@@ -372,18 +367,7 @@ def test_dots_saveable_keeps_convolutions_as_aten_names_them() -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 3, 3, padding=1))
     x = torch.randn(2, 3, 8, 8)
-    counts = {}
-    for policy in (None, "dots_saveable"):
-        torch._dynamo.reset()
-        graphs = introspect.PartitionedGraphs()
-        model = copy.deepcopy(plain)
-        run = torch.compile(
-            lambda x, m=model, p=policy: xla_wrap.checkpoint(m, x, policy=p),
-            backend=graphs.backend,
-            fullgraph=True,
-        )
-        run(x).sum().backward()
-        counts[policy] = graphs.backward_ops(torch.ops.aten.convolution)
+    counts = _backward_ops(plain, x, (None, "dots_saveable"), torch.ops.aten.convolution)
     # Full recomputation runs the first convolution again (the GELU's backward needs its
     # output; nothing needs the second's); dots_saveable keeps it.
     assert counts[None] == 1 and counts["dots_saveable"] == 0

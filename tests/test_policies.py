@@ -13,7 +13,7 @@ import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import introspect
 
-from models import BATCH, WIDTH, Stack, assert_same, train_step, wrapped_copy
+from models import BATCH, WIDTH, Scores, Stack, assert_same, train_step, wrapped_copy
 
 HIDDEN = 4 * WIDTH
 
@@ -129,22 +129,8 @@ def test_policy_sees_functions_names_and_shapes() -> None:
     assert seen[0].input_shapes == ((BATCH, WIDTH), (HIDDEN, WIDTH), (HIDDEN,))  # x, w, b
 
 
-class Attention(nn.Module):
-    """Projections (matrix products without batch dimensions) and scores ``q @ k.T`` (one
-    with them: both operands have a batch dimension)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Linear(WIDTH, WIDTH)
-        self.k = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.q(x) @ self.k(x).transpose(-2, -1)
-        return x + torch.softmax(scores, dim=-1) @ x
-
-
 def test_dots_with_no_batch_dims_keep_projections_and_recompute_scores() -> None:
-    block = Attention()
+    block = Scores()
     x = torch.randn(2, 5, WIDTH, requires_grad=True)
 
     def kept(policy: Any) -> list[tuple[int, ...]]:
