@@ -413,6 +413,12 @@ def test_scanned_stacks_compile_whole_as_the_checkpointed_loop(how: str) -> None
     assert graphs.recompute_tags() > 0  # checkpointed, layer by layer
 
 
+def test_a_scan_without_a_carry_inside_compile_is_refused_as_outside() -> None:
+    blocks = nn.ModuleList(Block() for _ in range(2))
+    with pytest.raises(xla_wrap.CheckpointTypeError, match="expected the carry"):
+        torch.compile(lambda: xla_wrap.scan_layers(blocks), backend="aot_eager")()
+
+
 def test_stacked_parameters_inside_compile_are_refused_naming_the_way_out() -> None:
     plain, _ = _wrapped("checkpoint_wrapper", dropout=0.0)
     twin = Scanned(

@@ -63,8 +63,8 @@ _MAX_DEPTH = 64
 
 def _settings(module: nn.Module) -> dict[str, Any]:
     """What a module holds besides its structure: its ``__dict__`` and slots."""
-    derived = frozenset().union(*(n for t, n in _DERIVED if isinstance(module, t)))
-    settings = {k: v for k, v in vars(module).items() if k not in _NOT_SETTINGS | derived}
+    skip = _NOT_SETTINGS.union(*(n for t, n in _DERIVED if isinstance(module, t)))
+    settings = {k: v for k, v in vars(module).items() if k not in skip}
     for name in _slots(type(module)):
         settings[name] = getattr(module, name, _MISSING)
     return settings

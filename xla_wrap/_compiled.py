@@ -115,8 +115,7 @@ def _contexts(api: str, spec: Any) -> Any:
 @dataclass(frozen=True)
 class _Policy:
     """A save policy as selective checkpointing asks it: per ATen operation, before it runs
-    (so :class:`~xla_wrap.checkpoint_policies.Op` carries no shapes there). Frozen, so that
-    Dynamo takes it as a constant of the graph."""
+    (so :class:`~xla_wrap.checkpoint_policies.Op` carries no output shapes there)."""
 
     api: str
     policy: cp.SavePolicy

@@ -116,16 +116,16 @@ def run_scan(
 ) -> Any:
     """:func:`scan_layers`, with ``api`` naming the caller in errors."""
     options = make_options(api, policy=policy, offload_to_cpu=offload_to_cpu)
-    if _compiled.compiling():
-        return compiled_loop(api, list(layers), args, kwargs, options)
-    stack = _LayerStack.of(layers, api)
-    if stack.wrapped_options is not None and policy is None and not offload_to_cpu:
-        options = stack.wrapped_options
     if not args:
         raise CheckpointTypeError(
             f"{api}: expected the carry as the first positional argument after the layers, "
             "got none. Call it as scan_layers(layers, x, ...), as the loop calls layer(x, ...)."
         )
+    if _compiled.compiling():
+        return compiled_loop(api, list(layers), args, kwargs, options)
+    stack = _LayerStack.of(layers, api)
+    if stack.wrapped_options is not None and policy is None and not offload_to_cpu:
+        options = stack.wrapped_options
     carry = Flat.of(args[0])
     constants = Flat.of((args[1:], kwargs))
     if not carry.tensors:
@@ -280,15 +280,15 @@ class _LayerStack:
         through it): refuse reads of attributes in which the layers differ (_alike)."""
         return self.differences.watching(self.api, self.layers[index])
 
-    def own_forward(self, layer: nn.Module) -> Any:
-        """``layer``'s own forward, for the eager loop: refused, as the template would be,
-        where it reads an attribute in which the layers differ."""
-        forward = _own_forward(layer)
+    def own_forward(self, index: int) -> Any:
+        """Layer ``index``'s own forward, for the eager loop: refused, as the template would
+        be, where it reads an attribute in which the layers differ."""
+        forward = _own_forward(self.layers[index])
         if not self.differences:
             return forward
 
         def watched(*args: Any, **kwargs: Any) -> Any:
-            with self.differences.watching(self.api, layer):
+            with self.watching(index):
                 return forward(*args, **kwargs)
 
         return watched
@@ -362,8 +362,9 @@ def _loop(
     carry, rest = args[0], args[1:]
     slices = stack.layer_slices() if stack.stacked_storage else None
     for index, layer in enumerate(stack.layers):
-        forward, call_kwargs = stack.own_forward(layer), kwargs
-        if slices is not None:
+        if slices is None:
+            forward, call_kwargs = stack.own_forward(index), kwargs
+        else:
             forward = functools.partial(_run_slot, stack, index)
             call_kwargs = {**kwargs, _SLICES: slices[index]}
         given = Flat.of(carry)

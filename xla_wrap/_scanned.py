@@ -123,14 +123,15 @@ class _CompiledStage:
     compiler's checkpoint; otherwise the layer (``layer.attention_type`` and the like)."""
 
     def __init__(self, layers: list[nn.Module], index: int, options: Any) -> None:
-        self.layers, self.index, self.options = layers, index, options
+        # Private names: any other attribute is the layer's.
+        self._layers, self._index, self._options = layers, index, options
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.layers[self.index], name)
+        return getattr(self._layers[self._index], name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         api = "xla_wrap.ScannedLayers"
-        return compiled_layer(api, self.layers, self.index, self.options, *args, **kwargs)
+        return compiled_layer(api, self._layers, self._index, self._options, *args, **kwargs)
 
 
 class _StackRun:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._errors import BarriersStrippedWarning
+from ._errors import BarriersStrippedWarning, XlaWrapError
 
 # The pass that deletes every opt-barrier on XLA:CPU before CSE (see docs/index.md).
 BARRIER_STRIPPING_PASS = "cse_barrier_expander"
@@ -198,13 +198,13 @@ def while_loop(body: Callable[..., Any], init: Any, xs: Any, *, reverse: bool = 
     try:
         return _scan_impl_pytree(body, init, xs, reverse=reverse)
     except BaseException as error:
-        from ._errors import XlaWrapError
-
         if not isinstance(error, XlaWrapError):
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             _add_note(error, f"Raised while tracing a scanned layer:\n{text}")
         chained: BaseException | None = error
-        while chained is not None:
+        seen: set[int] = set()
+        while chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
             chained.__traceback__ = None
             chained = chained.__cause__ or chained.__context__
         del chained

@@ -294,7 +294,7 @@ def _compile_main(args: argparse.Namespace) -> int:
 
     sizes = _sizes(args, ["transformer"])["transformer"]
     print(
-        f"xla_wrap.bench compile section: torch {torch_version()}, inductor on the CPU "
+        f"xla_wrap.bench compile section: torch {_torch_version()}, inductor on the CPU "
         f"(fallback_random), {args.steps} timed steps per variant, in this process",
         flush=True,
     )
@@ -313,7 +313,7 @@ def _compile_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def torch_version() -> str:
+def _torch_version() -> str:
     import torch
 
     return str(torch.__version__)

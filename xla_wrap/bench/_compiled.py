@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import introspect
 from ._models import TransformerBlock, Workload, build
@@ -27,12 +26,11 @@ VARIANTS = ("none", "torch checkpoint_wrapper", "xla_wrap", "xla_wrap dots_savea
 _MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 
 
-def _wrap(variant: str, model: nn.Module) -> None:
+def _wrap(variant: str, work: Workload) -> None:
     """Checkpoint all blocks but the first, as the rest of the benchmark does."""
     import xla_wrap
 
-    blocks = model.blocks
-    assert isinstance(blocks, nn.ModuleList)
+    blocks = work.blocks
     if variant == "none":
         return
     if variant == "torch checkpoint_wrapper":
@@ -44,7 +42,7 @@ def _wrap(variant: str, model: nn.Module) -> None:
     policy = "dots_saveable" if variant.endswith("dots_saveable") else None
     first = blocks[0]
     xla_wrap.apply_activation_checkpointing(
-        model, lambda m: isinstance(m, TransformerBlock) and m is not first, policy=policy
+        work.model, lambda m: isinstance(m, TransformerBlock) and m is not first, policy=policy
     )
 
 
@@ -61,7 +59,7 @@ def measure(variant: str, sizes: dict[str, int], steps: int) -> dict[str, Any]:
     from torch._inductor import config as inductor_config
 
     work = build("transformer", sizes)
-    _wrap(variant, work.model)
+    _wrap(variant, work)
     torch._dynamo.reset()
     counters.clear()
     graphs = introspect.PartitionedGraphs()
