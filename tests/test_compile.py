@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -452,6 +453,61 @@ def test_offload_inside_compile_is_refused_naming_the_way_out() -> None:
 # --- torch_xla's Dynamo backend -----------------------------------------------------------------
 
 
+def _barriered_graphs(model: nn.Module) -> tuple[list[int], fx.GraphModule]:
+    """The step on aot_eager with barriers placed in its backward graph: how many per backward
+    graph, and the last backward graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from xla_wrap._openxla import place_barriers
+
+    placed, graphs = [], []
+
+    def backward(graph_module: fx.GraphModule, inputs: Any) -> Any:
+        placed.append(place_barriers(graph_module))
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, inputs: make_boxed_func(gm.forward), bw_compiler=backward
+    )
+    expected = _step(copy.deepcopy(model), None)
+    got = _step(model, backend)
+    _assert_same_step(expected, got, exact=True)
+    return placed, graphs[-1]
+
+
+def test_each_recomputed_block_waits_behind_a_barrier_for_its_gradient() -> None:
+    """The backward graph's pass, on eager CPU (both torch versions): one barrier per
+    checkpointed block; it takes a value computed from the incoming gradient, every value the
+    recomputation reads from outside comes through it, and the step is unchanged."""
+    from xla_wrap._openxla import _barrier
+
+    _, twin = _wrapped("apply_activation_checkpointing", dropout=0.1)
+    placed, graph = _barriered_graphs(twin)
+    blocks = len(Stack().blocks)
+    assert placed == [blocks]
+    from_tangents: set[fx.Node] = set()
+    for node in graph.graph.nodes:
+        if node.name.startswith("tangents") or set(node.all_input_nodes) & from_tangents:
+            from_tangents.add(node)
+    barriers = [n for n in graph.graph.nodes if n.target is _barrier]
+    assert len(barriers) == blocks
+    assert all(set(b.args) & (from_tangents - {b}) for b in barriers)
+    # every output is read (XLA drops unread ones), the gradient's by the backward
+    assert all(len(b.users) == len(b.args) for b in barriers)
+    assert all(output.users for b in barriers for output in b.users)
+    recomputed = [n for n in graph.graph.nodes if n.meta.get("recompute") is not None]
+    assert recomputed and not any(
+        i.op == "placeholder" for n in recomputed for i in n.all_input_nodes
+    )
+
+
+def test_a_graph_without_checkpoints_gets_no_barrier() -> None:
+    placed, _ = _barriered_graphs(Stack())
+    assert placed == [0]
+
+
 @pytest.mark.xla
 def test_openxla_compiles_it_whole_with_eager_gradients(xla_device: torch.device) -> None:
     import torch_xla
@@ -467,3 +523,62 @@ def test_openxla_compiles_it_whole_with_eager_gradients(xla_device: torch.device
     torch_xla.sync()
     assert _graph_breaks() == {}
     _assert_same_step(expected, (loss.cpu(), [g.cpu() for g in grads]), exact=False)
+
+
+def _openxla_step(model: nn.Module, backend: Any, x: torch.Tensor) -> introspect.CompiledProgram:
+    """The largest program of one compiled step on XLA:CPU (the backward one)."""
+    import torch_xla
+
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=backend, fullgraph=True)
+
+    def step() -> None:
+        run(x).pow(2).mean().backward()
+        torch_xla.sync()
+
+    return introspect.compiled_memory(step)
+
+
+@pytest.mark.xla
+def test_the_openxla_backend_with_barriers_saves_memory(xla_device: torch.device) -> None:
+    """XLA's buffer assignment, barriers kept: torch_xla's plain ``openxla`` recomputes every
+    block at the start of the backward program and peaks as the uncheckpointed step;
+    ``xla_wrap.openxla_backend`` orders each block's recomputation behind its gradient. Its
+    gradients are the eager plain model's."""
+    import torch_xla
+
+    torch.manual_seed(0)
+    plain = Stack(blocks=4)
+    twin = copy.deepcopy(plain)
+    xla_wrap.apply_activation_checkpointing(twin, lambda m: isinstance(m, Block))
+    x = torch.randn(4, 64, WIDTH, generator=torch.Generator().manual_seed(1))
+    plain(x).pow(2).mean().backward()
+    expected = [p.grad for p in plain.parameters()]
+    plain.zero_grad(set_to_none=True)
+    plain.to(xla_device)
+    twin.to(xla_device)
+    x = x.to(xla_device)
+    uncheckpointed = _openxla_step(plain, "openxla", x)
+    unordered = _openxla_step(twin, "openxla", x)
+    twin.zero_grad(set_to_none=True)
+    ordered = _openxla_step(twin, xla_wrap.openxla_backend, x)
+    torch_xla.sync()
+    for got, want in zip([p.grad.cpu() for p in twin.parameters()], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ordered.count("opt-barrier") == 4 and ordered.count("dot") > uncheckpointed.count("dot")
+    assert unordered.total_bytes > 0.9 * uncheckpointed.total_bytes
+    assert ordered.total_bytes < 0.6 * uncheckpointed.total_bytes
+    assert not hasattr(torch, "xla")  # the stand-in lives only while the backend traces
+
+
+def test_the_openxla_backend_without_torch_xla_says_what_to_install() -> None:
+    if importlib.util.find_spec("torch_xla") is not None:
+        pytest.skip("torch_xla is installed here")
+    graph = fx.symbolic_trace(nn.Linear(2, 2))
+    with pytest.raises(xla_wrap.CheckpointError, match="expected torch_xla.*inductor"):
+        xla_wrap.openxla_backend(graph, [torch.randn(2)])
+
+
+def test_torch_compile_knows_the_backend_by_name() -> None:
+    """The entry point pyproject.toml declares (for trainers that take a backend's name)."""
+    assert torch._dynamo.lookup_backend("xla_wrap_openxla") is xla_wrap.openxla_backend

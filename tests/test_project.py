@@ -114,6 +114,26 @@ def test_scan_stack_example_smallest_configuration() -> None:
 
 @pytest.mark.subprocess
 @pytest.mark.xla
+def test_compiled_openxla_example_smallest_configuration() -> None:
+    pytest.importorskip("torch_xla")
+    done = _run_example("compiled_openxla.py", "--blocks=2", "--dim=32", "--seq=32", "--batch=4")
+    assert "[3/4] xla_wrap, openxla_backend: compiling and running" in done.stdout
+    table = done.stdout.split("gradients equal\n")[1]
+    rows = {line[:32].strip(): line[32:].split() for line in table.splitlines()}
+    peak, dots, barriers, equal = (
+        {name: row[i] for name, row in rows.items() if len(row) == 4} for i in range(4)
+    )
+    assert len(equal) == 4 and set(equal.values()) == {"yes"}
+    none, plain_backend = "no checkpointing", "xla_wrap, openxla"
+    ours, dots_saveable = "xla_wrap, openxla_backend", "dots_saveable, openxla_backend"
+    assert barriers[none] == barriers[plain_backend] == "0"
+    assert int(barriers[ours]) >= 1 and int(barriers[dots_saveable]) >= 1
+    assert int(dots[ours]) > int(dots[none]) == int(dots[dots_saveable])  # products kept
+    assert float(peak[ours]) < float(peak[plain_backend]) < float(peak[none])
+
+
+@pytest.mark.subprocess
+@pytest.mark.xla
 def test_plan_budget_example_smallest_configuration() -> None:
     pytest.importorskip("torch_xla")
     done = _run_example(
@@ -141,6 +161,7 @@ def test_plan_budget_example_smallest_configuration() -> None:
         ("hf_trainer.py", "--sft"),
         ("save_policies.py", "--blocks"),
         ("scan_stack.py", "--blocks"),
+        ("compiled_openxla.py", "--blocks"),
     ],
 )
 def test_example_help_runs_without_starting_xla(example: str, option: str) -> None:

@@ -22,6 +22,7 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointTypeError as CheckpointTypeError
 from ._errors import CheckpointValueError as CheckpointValueError
 from ._errors import XlaWrapError as XlaWrapError
+from ._openxla import openxla_backend as openxla_backend
 from ._options import CheckpointOptions as CheckpointOptions
 from ._plan import CheckpointPlan as CheckpointPlan
 from ._planner import plan_checkpointing as plan_checkpointing
@@ -58,6 +59,7 @@ __all__ = [
     "fsdp",
     "introspect",
     "is_recomputing",
+    "openxla_backend",
     "optimization_barrier",
     "plan_checkpointing",
     "scan_layers",
