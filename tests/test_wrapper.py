@@ -382,3 +382,83 @@ def test_functional_call_and_reassigned_parameters_get_the_forward_parameters_gr
     y.sum().backward()
     assert old_weight.grad is not None and linear.weight.grad is None
     torch.testing.assert_close(x.grad, old_weight.detach().sum(0).expand(BATCH, WIDTH))
+
+
+# --- PyTorch's name for the inner module -----------------------------------------------------
+
+
+class CountingLinear(nn.Linear):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CountingLinear.calls += 1
+        return super().forward(x)
+
+
+def test_checkpoint_wrapped_module_is_the_module_unchecked_sharing_its_state() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(CountingLinear(WIDTH, WIDTH), nn.GELU(), nn.Dropout(0.2))
+    wrapped = xla_wrap.checkpoint_wrapper(copy.deepcopy(block))
+    inner = wrapped._checkpoint_wrapped_module
+    assert type(inner) is nn.Sequential and not isinstance(inner, xla_wrap.CheckpointWrapper)
+    assert inner[0].weight is wrapped[0].weight and inner[0] is wrapped[0]
+    # not a child: names, state_dict and modules() are the unwrapped module's
+    assert list(wrapped.state_dict()) == list(block.state_dict())
+    assert [n for n, _ in wrapped.named_modules()] == [n for n, _ in block.named_modules()]
+    # its forward is the plain one: one call per step, where the wrapper recomputes
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    for module, calls in ((inner, 1), (wrapped, 2)):
+        CountingLinear.calls = 0
+        module(x).sum().backward()
+        assert CountingLinear.calls == calls
+    with pytest.raises(AttributeError, match="read-only"):
+        wrapped._checkpoint_wrapped_module = nn.Linear(2, 2)
+    assert "_checkpoint_wrapped_module" not in wrapped._modules
+
+
+def test_the_unwrapping_loop_pytorch_users_write_ends_on_the_plain_module() -> None:
+    model = Stack()
+    xla_wrap.apply_activation_checkpointing(model, lambda m: isinstance(m, Block))
+    for block in model.blocks:
+        inner = block
+        while hasattr(inner, "_checkpoint_wrapped_module"):
+            inner = inner._checkpoint_wrapped_module
+        assert type(inner) is Block
+        assert dict(inner.named_parameters()) == dict(block.named_parameters())
+    plain = [m for m in model.modules() if not hasattr(m, "_checkpoint_wrapped_module")]
+    assert len(plain) == len(list(model.modules())) - len(model.blocks)
+
+
+def test_pytorchs_apply_activation_checkpointing_test_shape_reads_the_inner_weight() -> None:
+    """PyTorch's test_apply_activation_checkpointing compares each wrapped linear's weight
+    through ``_checkpoint_wrapped_module`` after an optimizer step."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seq = nn.Sequential(*(Inner() for _ in range(3)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.seq(x)
+
+    torch.manual_seed(0)
+    plain = Model()
+    model = copy.deepcopy(plain)
+    xla_wrap.apply_activation_checkpointing(model, lambda m: isinstance(m, nn.Linear))
+    for m in (plain, model):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        m(torch.randn(BATCH, WIDTH)).pow(2).sum().backward()
+        optimizer.step()
+    for j in range(3):
+        got = model.seq[j].lin._checkpoint_wrapped_module.weight
+        assert torch.equal(got, plain.seq[j].lin.weight)
+        assert got is model.seq[j].lin.weight

@@ -66,6 +66,34 @@ class CheckpointWrapper(nn.Module):
         0.1 proxy, where it was the wrapped module)."""
         return self
 
+    @property
+    def _checkpoint_wrapped_module(self) -> nn.Module:
+        """The module unchecked, under the name PyTorch's ``checkpoint_wrapper`` gives its inner
+        module, for code that reads it: an object of the original class sharing this module's
+        state (the same parameters, buffers, submodules and hooks) whose forward is the plain
+        one. It has no such attribute itself, so an unwrapping loop
+        (``while hasattr(m, "_checkpoint_wrapped_module")``) ends on it. Not a child: names
+        and ``state_dict`` do not change. A new object on each read."""
+        plain = nn.Module.__new__(type(self)._checkpoint_base_class())
+        plain.__dict__ = self.__dict__  # shared: state stays one
+        return plain
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_checkpoint_wrapped_module":  # nn.Module would register a module there
+            raise AttributeError(
+                "xla_wrap.checkpoint_wrapper: _checkpoint_wrapped_module is read-only (a view "
+                "of this module, unchecked). Assign to the module's own attributes instead."
+            )
+        super().__setattr__(name, value)
+
+    @classmethod
+    def _checkpoint_base_class(cls) -> type[nn.Module]:
+        for klass in cls.__mro__:
+            if "_checkpoint_base" in klass.__dict__:
+                base: type[nn.Module] = klass.__dict__["_checkpoint_base"]
+                return base
+        raise AssertionError("a checkpointed class without its base")  # pragma: no cover
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return run_checkpointed(
             "xla_wrap.checkpoint_wrapper",
