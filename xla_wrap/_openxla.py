@@ -30,8 +30,6 @@ from ._barrier import barriered
 from ._errors import CheckpointError
 
 API = "xla_wrap.openxla_backend"
-# The name torch.compile knows it by (pyproject.toml's torch_dynamo_backends entry point).
-NAME = "xla_wrap_openxla"
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
 

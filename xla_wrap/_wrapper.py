@@ -74,7 +74,8 @@ class CheckpointWrapper(nn.Module):
         one. It has no such attribute itself, so an unwrapping loop
         (``while hasattr(m, "_checkpoint_wrapped_module")``) ends on it. Not a child: names
         and ``state_dict`` do not change. A new object on each read."""
-        plain = nn.Module.__new__(type(self)._checkpoint_base_class())
+        # a class derived from a generated one inherits its _checkpoint_base
+        plain = nn.Module.__new__(type(self)._checkpoint_base)
         plain.__dict__ = self.__dict__  # shared: state stays one
         return plain
 
@@ -85,14 +86,6 @@ class CheckpointWrapper(nn.Module):
                 "of this module, unchecked). Assign to the module's own attributes instead."
             )
         super().__setattr__(name, value)
-
-    @classmethod
-    def _checkpoint_base_class(cls) -> type[nn.Module]:
-        for klass in cls.__mro__:
-            if "_checkpoint_base" in klass.__dict__:
-                base: type[nn.Module] = klass.__dict__["_checkpoint_base"]
-                return base
-        raise AssertionError("a checkpointed class without its base")  # pragma: no cover
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return run_checkpointed(
