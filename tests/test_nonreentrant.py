@@ -188,23 +188,3 @@ def test_inputs_are_released_after_backward_while_the_loss_lives(use_reentrant: 
     del x
     # On XLA, a tensor kept alive with the loss becomes an output of every step.
     assert alive() is None and loss.grad_fn is not None
-
-
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("call", ["backward", "autograd.grad"])
-def test_double_backward_is_refused_with_an_error_that_says_so(reentrant: bool, call: str) -> None:
-    # Second derivatives through the block would come out wrong (the recomputation has no
-    # graph of its own), so `create_graph=True` must fail, naming the problem, before the
-    # reentrant engine's refusal of `torch.autograd.grad` (the other engine refuses it too).
-    linear = nn.Linear(WIDTH, WIDTH)
-    x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    loss = xla_wrap.checkpoint(linear, x, use_reentrant=reentrant).tanh().sum()
-    with pytest.raises(xla_wrap.CheckpointError, match=r"double backward .* is not supported"):
-        if call == "backward":
-            loss.backward(create_graph=True)
-        else:
-            torch.autograd.grad(loss, x, create_graph=True)
-    # A plain backward of the same kind of call still works.
-    xla_wrap.checkpoint(linear, x, use_reentrant=reentrant).tanh().sum().backward()
-    assert x.grad is not None

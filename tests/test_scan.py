@@ -604,6 +604,28 @@ def test_on_eager_cpu_a_layer_returning_more_than_its_carry_is_refused_as_on_xla
 
 
 @pytest.mark.xla
+def test_double_backward_through_a_scan_is_refused_and_on_eager_cpu_works(
+    layers: nn.ModuleList, xla_device: torch.device
+) -> None:
+    # The XLA scan's backward is a While loop without a graph: refused, not a silent zero.
+    twin = copy.deepcopy(layers).to(xla_device)
+    x = torch.randn(3, WIDTH).to(xla_device).requires_grad_()
+    scale = torch.tensor(0.7).to(xla_device)
+    y = xla_wrap.scan_layers(twin, x, scale, shift=0.5).pow(2).sum()
+    with pytest.raises(xla_wrap.CheckpointError, match=r"double backward .* scanned stack"):
+        torch.autograd.grad(y, x, create_graph=True)
+    # On eager CPU the scan is the checkpointed loop, whose engine supports it.
+    derivatives = []
+    for scanned in (False, True):
+        x = torch.linspace(-1, 1, 3 * WIDTH).reshape(3, WIDTH).requires_grad_()
+        run = xla_wrap.scan_layers if scanned else _loop
+        loss = run(layers, x, torch.tensor(0.7), shift=0.5).pow(2).sum()
+        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+        derivatives.append(torch.autograd.grad(grad_x.pow(2).sum(), x)[0])
+    assert torch.equal(derivatives[1], derivatives[0])
+
+
+@pytest.mark.xla
 def test_xla_fsdp_v1_units_are_refused(xla_device: torch.device) -> None:
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 

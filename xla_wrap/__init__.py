@@ -31,6 +31,7 @@ from ._scanned import ScannedLayers as ScannedLayers
 from ._scanned import apply_scan as apply_scan
 from ._scanned import unscan as unscan
 from ._selective import checkpoint_name as checkpoint_name
+from ._state import disable_checkpointing as disable_checkpointing
 from ._state import is_recomputing as is_recomputing
 from ._wrapper import CheckpointWrapper as CheckpointWrapper
 from ._wrapper import checkpoint_wrapper as checkpoint_wrapper
@@ -56,6 +57,7 @@ __all__ = [
     "checkpoint_policies",
     "checkpoint_sequential",
     "checkpoint_wrapper",
+    "disable_checkpointing",
     "fsdp",
     "introspect",
     "is_recomputing",

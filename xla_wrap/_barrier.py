@@ -52,7 +52,8 @@ class _Barrier(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(barriered(grads))
+        # Through the Function again: under `create_graph=True` the gradients stay differentiable.
+        return tuple(_Barrier.apply(*grads))
 
 
 def optimization_barrier(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

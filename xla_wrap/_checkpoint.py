@@ -17,6 +17,7 @@ from ._nonreentrant import run_nonreentrant
 from ._options import CheckpointOptions, make_options
 from ._recompute import CheckpointCall
 from ._reentrant import run_reentrant
+from ._state import checkpointing_disabled
 from ._tree import Flat
 
 
@@ -30,9 +31,13 @@ def run_checkpointed(
     options: CheckpointOptions,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` as a checkpoint whose barrier also covers the
-    parameters and buffers of ``owners``. Outside autograd, or with a policy that keeps
-    everything, it is a plain call."""
-    if not torch.is_grad_enabled() or options.policy is cp.everything_saveable:
+    parameters and buffers of ``owners``. Outside autograd, with a policy that keeps
+    everything, or under :func:`~xla_wrap.disable_checkpointing`, it is a plain call."""
+    if (
+        not torch.is_grad_enabled()
+        or options.policy is cp.everything_saveable
+        or checkpointing_disabled()
+    ):
         return function(*args, **kwargs)
     if _compiled.compiling():
         return _compiled.checkpoint(api, function, args, kwargs, options)

@@ -21,6 +21,7 @@ placeholders.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -38,7 +39,6 @@ from ._recompute import (
     gradients_arrived,
     raise_not_deterministic,
     record_forward,
-    refuse_double_backward,
     replaying,
     save_for_recompute,
     saved_for_recompute,
@@ -106,13 +106,17 @@ class _SavedMeta:
 
 
 class _Placeholder:
-    """What the block's graph holds instead of a saved tensor."""
+    """What the block's graph holds instead of a saved tensor. After a backward with
+    ``create_graph=True`` it holds the recomputed tensor too: the graph that backward built
+    reads the block's nodes again (second derivatives) without passing the gate, and the
+    tensor goes when the graph does."""
 
-    __slots__ = ("frame", "index")
+    __slots__ = ("__weakref__", "frame", "index", "tensor")
 
     def __init__(self, frame: _Frame, index: int) -> None:
         self.frame = frame
         self.index = index
+        self.tensor: torch.Tensor | None = None
 
 
 class _StopRecomputation(BaseException):
@@ -134,10 +138,16 @@ class _Frame:
         self.saved: list[_SavedMeta] = []
         # per backward (graph task id): position in `saved` -> recomputed tensor
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
+        self.placeholders: list[weakref.ref[_Placeholder]] = []
+        # Whether a backward with `create_graph=True` left the recomputed tensors on the
+        # placeholders: later backwards read those instead of recomputing again.
+        self.recomputed_for_good = False
 
     def pack(self, tensor: torch.Tensor) -> _Placeholder:
         self.saved.append(_SavedMeta.of(tensor))
-        return _Placeholder(self, len(self.saved) - 1)
+        placeholder = _Placeholder(self, len(self.saved) - 1)
+        self.placeholders.append(weakref.ref(placeholder))
+        return placeholder
 
     def recompute(
         self,
@@ -191,6 +201,8 @@ class _Frame:
             )
         graph_task = torch._C._current_graph_task_id()
         self.recomputed[graph_task] = store
+        if torch.is_grad_enabled():  # create_graph=True
+            self._keep_for_good(store)
         # Whatever this backward does not read (branches that need no gradient) goes at its end.
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._release(graph_task))
         return copies.grads
@@ -198,11 +210,18 @@ class _Frame:
     def _release(self, graph_task: int) -> None:
         self.recomputed.pop(graph_task, None)
 
+    def _keep_for_good(self, store: dict[int, torch.Tensor]) -> None:
+        for index, tensor in store.items():
+            placeholder = self.placeholders[index]()
+            if placeholder is not None:
+                placeholder.tensor = tensor
+        self.recomputed_for_good = True
+
 
 def _unpack(placeholder: _Placeholder) -> torch.Tensor:
     frame = placeholder.frame
     store = frame.recomputed.get(torch._C._current_graph_task_id(), {})
-    tensor = store.pop(placeholder.index, None)
+    tensor = store.pop(placeholder.index, placeholder.tensor)
     if tensor is None:
         raise CheckpointError(
             f"{frame.api}: backward needed a tensor saved inside a checkpointed block "
@@ -248,22 +267,33 @@ class _OutputGate(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         frame: _Frame = ctx.frame
         record: ForwardRecord = ctx.record
-        refuse_double_backward(record)
         saved, buffers = saved_for_recompute(ctx)
         split = len(record.inputs_require_grad)  # saved[:split] are the block's inputs
         present = [i for i, g in enumerate(grads) if g is not None]
-        with _selective.active(None):
-            copies = frame.recompute(
-                record,
-                saved[:split],
-                saved[split:],
-                buffers,
-                [g for g in grads if g is not None],
-            )
+        incoming = [g for g in grads if g is not None]
+        copies = incoming  # a backward with create_graph=True has recomputed for good already
+        if not frame.recomputed_for_good:
+            with _selective.active(None):
+                copies = frame.recompute(record, saved[:split], saved[split:], buffers, incoming)
         gradients_arrived(
             record, [ctx.output_positions[i] for i in present], copies, [None] * len(present)
         )
+        if torch.is_grad_enabled():  # create_graph=True: keep the gradients differentiable
+            copies = [_Same.apply(g, c) for g, c in zip(incoming, copies, strict=True)]
         out: list[torch.Tensor | None] = [None] * len(grads)
         for i, grad in zip(present, copies, strict=True):
             out[i] = grad
         return (None, None, None, None, None, None, *out)
+
+
+class _Same(torch.autograd.Function):
+    """``apply(value, copy)`` -> ``copy``, a barriered copy of ``value``, with ``value``'s
+    derivative: the gate's backward stays differentiable under ``create_graph=True``."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        return copy.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None

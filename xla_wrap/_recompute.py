@@ -27,7 +27,7 @@ from ._barrier import barriered
 from ._errors import CheckpointError
 from ._module_tensors import ModuleTensors
 from ._options import CheckpointOptions
-from ._state import recomputing
+from ._state import checkpointing_as_in_forward, recomputing
 from ._tree import Flat, TensorMeta
 
 
@@ -214,6 +214,7 @@ def replaying(record: ForwardRecord, copies: Barriered) -> Iterator[None]:
     :func:`xla_wrap.is_recomputing` true."""
     with ExitStack() as stack:
         stack.enter_context(recomputing())
+        stack.enter_context(checkpointing_as_in_forward())
         stack.enter_context(_xla.checkpoint_backward_status())
         if record.rng is not None:
             stack.enter_context(_rng.replay(record.rng))
@@ -235,19 +236,6 @@ def gradients_arrived(
     for hook, state in record.hooks:
         for position, grad, output in zip(positions, grads, recomputed, strict=True):
             hook.on_gradient(state, position, grad, output)
-
-
-def refuse_double_backward(record: ForwardRecord) -> None:
-    """Refuse ``create_graph=True``: the recomputation is differentiated without a graph of
-    its own, so second derivatives through the block would be silently wrong."""
-    if torch.is_grad_enabled():
-        raise CheckpointError(
-            f"{record.api}: double backward (`create_graph=True`, as in gradient penalties or "
-            "Hessian-vector products) through a checkpointed block is not supported: the "
-            "recomputation is differentiated once, without a graph of its own. Leave the "
-            "blocks whose second derivatives you need unwrapped (or compute that term in a "
-            "separate forward without checkpointing)."
-        )
 
 
 def _check_inputs_unchanged(

@@ -31,7 +31,6 @@ from ._recompute import (
     gradients_arrived,
     raise_not_deterministic,
     record_forward,
-    refuse_double_backward,
     replaying,
     save_for_recompute,
     saved_for_recompute,
@@ -83,7 +82,14 @@ class _ReentrantGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         record: ForwardRecord = ctx.record
-        refuse_double_backward(record)  # first: the other engine refuses it too
+        if torch.is_grad_enabled():  # first: the check below would name the wrong problem
+            raise CheckpointError(
+                f"{record.api}: double backward (`create_graph=True`, as in gradient penalties "
+                "or Hessian-vector products) is not supported with `use_reentrant=True`: this "
+                "engine differentiates the recomputation inside its own backward, without a "
+                "graph of its own. Checkpoint with `use_reentrant=False` (the default), which "
+                "supports it."
+            )
         if not torch.autograd._is_checkpoint_valid():
             raise CheckpointError(
                 f"{record.api}: the reentrant engine supports `loss.backward()` only, got "

@@ -46,7 +46,7 @@ from ._checkpoint import run_checkpointed
 from ._errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from ._options import CheckpointOptions, make_options
 from ._recompute import raise_not_deterministic
-from ._state import recomputing
+from ._state import checkpointing_disabled, recomputing
 from ._tree import Flat, TensorMeta
 from ._wrapper import CheckpointWrapper
 
@@ -134,7 +134,8 @@ def run_scan(
             f"{describe(args[0])}. The first positional argument is what each layer passes on."
         )
     params = [p for layer in layers for p in layer.parameters()]
-    if not any(_xla.is_xla_tensor(t) for t in (*carry.tensors, *params)):
+    on_xla = any(_xla.is_xla_tensor(t) for t in (*carry.tensors, *params))
+    if not on_xla or checkpointing_disabled():  # the loop: its checkpoints are plain calls then
         return _loop(stack, args, kwargs, options)
     return _scan(stack, carry, constants, options)
 
@@ -676,6 +677,14 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise CheckpointError(
+                f"{_API}: double backward (`create_graph=True`, as in gradient penalties or "
+                "Hessian-vector products) through a scanned stack is not supported: its "
+                "backward is one XLA While loop, whose gradients have no graph of their own. "
+                "Loop over the layers in Python instead, each wrapped with "
+                "`xla_wrap.checkpoint_wrapper` (an ordinary nn.ModuleList), which supports it."
+            )
         scan: _Scan = ctx.scan
         n_const, n_stacked, n_carries = ctx.lengths
         constants, stacked, residuals = _split(ctx.saved_tensors, n_const, n_stacked)

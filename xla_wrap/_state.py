@@ -20,6 +20,8 @@ class ThreadState(threading.local):
     def __init__(self) -> None:
         # How many recomputations are running (they nest: a checkpoint inside a checkpoint).
         self.recomputing = 0
+        # How many disable_checkpointing() contexts are open (they nest too).
+        self.checkpointing_disabled = 0
         # The save-policy selections of the running checkpoints, innermost last (None hides
         # the outer ones from xla_wrap's own operations); see _selective.
         self.selections: list[Any] = []
@@ -61,3 +63,51 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         local.recomputing -= 1
+
+
+@contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """Run every xla_wrap checkpoint as the plain call inside this context.
+
+    Wrapped modules, :func:`~xla_wrap.checkpoint`, :func:`~xla_wrap.checkpoint_sequential` and
+    scanned stacks (:func:`~xla_wrap.scan_layers`, :class:`~xla_wrap.ScannedLayers`) called
+    inside it run as if unwrapped: one forward, activations kept, no recomputation, the
+    ordinary Python loop for a scanned stack. For evaluation with gradients, debugging, or a
+    comparison against the unwrapped model without unwrapping it; as FairScale's context of
+    the same name. It decides at forward time: a backward inside it of a forward run outside
+    still recomputes.
+
+    The setting is per thread (other threads keep checkpointing), the contexts nest, and the
+    previous setting comes back on exit, also when the body raises. It works as a decorator
+    too. Inside ``torch.compile`` it applies when the function is traced.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> layer = xla_wrap.checkpoint_wrapper(torch.nn.Linear(4, 4))
+        >>> with xla_wrap.disable_checkpointing():
+        ...     y = layer(torch.randn(2, 4))
+        >>> y.grad_fn.name()  # the plain layer's graph, no checkpoint in it
+        'AddmmBackward0'
+    """
+    local.checkpointing_disabled += 1
+    try:
+        yield
+    finally:
+        local.checkpointing_disabled -= 1
+
+
+def checkpointing_disabled() -> bool:
+    """Whether :func:`disable_checkpointing` is in effect on the calling thread."""
+    return local.checkpointing_disabled > 0
+
+
+@contextmanager
+def checkpointing_as_in_forward() -> Iterator[None]:
+    """Inside a recomputation: checkpointing on, as it was when the checkpointed forward ran
+    (a backward inside :func:`disable_checkpointing` must recompute nested checkpoints as
+    checkpoints, or the recomputation would save other tensors than the forward)."""
+    outside, local.checkpointing_disabled = local.checkpointing_disabled, 0
+    try:
+        yield
+    finally:
+        local.checkpointing_disabled = outside
