@@ -90,6 +90,23 @@ def test_save_policies_example_smallest_configuration() -> None:
 
 @pytest.mark.subprocess
 @pytest.mark.xla
+def test_gradient_penalty_example_smallest_configuration() -> None:
+    pytest.importorskip("torch_xla")
+    done = _run_example("gradient_penalty.py", "--blocks=2", "--dim=32", "--seq=16", "--batch=2")
+    assert "penalty step, xla_wrap: compiling and running" in done.stdout  # progress is shown
+    rows = {line[:36].strip(): line[36:].split() for line in done.stdout.splitlines()}
+    table = {name: row for name, row in rows.items() if len(row) == 3 and row[2] in ("yes", "NO")}
+    assert len(table) == 4 and all(row[2] == "yes" for row in table.values())
+    dots = {name: int(row[1]) for name, row in table.items()}
+    # One extra forward per block, in both steps: each block's first product (its second one
+    # is dead code XLA drops: backward reads only that layer's input).
+    for step in ("plain step", "penalty step"):
+        checkpointed, plain = dots[f"{step}, xla_wrap"], dots[f"{step}, no checkpointing"]
+        assert checkpointed == plain + 2
+
+
+@pytest.mark.subprocess
+@pytest.mark.xla
 def test_scan_stack_example_smallest_configuration() -> None:
     pytest.importorskip("torch_xla")
     done = _run_example(
@@ -160,6 +177,7 @@ def test_plan_budget_example_smallest_configuration() -> None:
         ("hf_llama.py", "--steps"),
         ("hf_trainer.py", "--sft"),
         ("save_policies.py", "--blocks"),
+        ("gradient_penalty.py", "--blocks"),
         ("scan_stack.py", "--blocks"),
         ("compiled_openxla.py", "--blocks"),
     ],
