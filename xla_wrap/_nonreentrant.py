@@ -17,6 +17,12 @@ computes something else when run again fails with the first difference instead o
 gradient. Nested checkpoints work because the gate saves the block's inputs and kept values
 through the ordinary saved-tensor mechanism: an enclosing checkpoint replaces them with its own
 placeholders.
+
+Higher derivatives: under ``create_graph=True`` the gate's gradients stay differentiable, and
+the recomputed tensors stay on the placeholders (freed with the graph), so a backward through
+that backward's graph, which reaches the block's nodes without passing the gate, reads them
+without recomputing again. A block that differentiates its own graph reads its saved tensors
+from the placeholders while its forward runs, and from the recomputation's store in backward.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ def run_nonreentrant(call: CheckpointCall, inputs: Flat) -> Any:
 def _recording(frame: _Frame, selection: _selective.Selection | None) -> Iterator[None]:
     """The block's forward: placeholders for what its graph saves, the policy deciding."""
     with (
+        frame.forward_running(),
         torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack),
         selection.recording() if selection else _selective.active(None),
     ):
@@ -106,10 +113,11 @@ class _SavedMeta:
 
 
 class _Placeholder:
-    """What the block's graph holds instead of a saved tensor. After a backward with
-    ``create_graph=True`` it holds the recomputed tensor too: the graph that backward built
-    reads the block's nodes again (second derivatives) without passing the gate, and the
-    tensor goes when the graph does."""
+    """What the block's graph holds instead of a saved tensor. It holds the tensor itself
+    while it must be readable without recomputation: during the block's forward (which may
+    differentiate its own graph, ``torch.autograd.grad`` inside the block), and after a
+    backward with ``create_graph=True``, whose graph reads the block's nodes again (second
+    derivatives) without passing the gate; then the tensor goes when the graph does."""
 
     __slots__ = ("__weakref__", "frame", "index", "tensor")
 
@@ -139,6 +147,7 @@ class _Frame:
         # per backward (graph task id): position in `saved` -> recomputed tensor
         self.recomputed: dict[int, dict[int, torch.Tensor]] = {}
         self.placeholders: list[weakref.ref[_Placeholder]] = []
+        self.forward_placeholders: list[_Placeholder] | None = None  # while the forward runs
         # Whether a backward with `create_graph=True` left the recomputed tensors on the
         # placeholders: later backwards read those instead of recomputing again.
         self.recomputed_for_good = False
@@ -147,7 +156,22 @@ class _Frame:
         self.saved.append(_SavedMeta.of(tensor))
         placeholder = _Placeholder(self, len(self.saved) - 1)
         self.placeholders.append(weakref.ref(placeholder))
+        if self.forward_placeholders is not None:
+            placeholder.tensor = tensor.detach()
+            self.forward_placeholders.append(placeholder)
         return placeholder
+
+    @contextmanager
+    def forward_running(self) -> Iterator[None]:
+        """The forward's saved tensors stay readable until it returns (a block may call
+        ``torch.autograd.grad`` on its own graph); then only placeholders are left."""
+        self.forward_placeholders = []
+        try:
+            yield
+        finally:
+            for placeholder in self.forward_placeholders:
+                placeholder.tensor = None
+            self.forward_placeholders = None
 
     def recompute(
         self,
@@ -185,7 +209,9 @@ class _Frame:
 
         with ExitStack() as stack:
             stack.enter_context(replaying(record, copies))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked))
+            # A block that differentiates its own graph reads what it saved in the recomputation
+            # too.
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, store.__getitem__))
             if self.selection is not None:
                 stack.enter_context(self.selection.substituting(copies.kept))
             try:
@@ -231,10 +257,6 @@ def _unpack(placeholder: _Placeholder) -> torch.Tensor:
             "saved tensor was read outside backward. Return that value from the block."
         )
     return tensor
-
-
-def _never_unpacked(index: int) -> torch.Tensor:
-    raise AssertionError("the recomputation's own graph is never differentiated")
 
 
 class _OutputGate(torch.autograd.Function):
