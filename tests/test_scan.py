@@ -539,7 +539,6 @@ def test_stacked_parameters_refuse_tied_layers_and_slices_past_the_first() -> No
 @pytest.mark.parametrize(
     ("layers", "error", "message"),
     [
-        ([], xla_wrap.CheckpointValueError, "at least one layer"),
         ([nn.Linear(2, 2), "relu"], xla_wrap.CheckpointTypeError, "nn.Module layers, got str"),
         (nn.Linear(2, 2), xla_wrap.CheckpointTypeError, "a sequence of layers"),
         (
@@ -549,12 +548,19 @@ def test_stacked_parameters_refuse_tied_layers_and_slices_past_the_first() -> No
         ),
         ([nn.Linear(2, 2), nn.ReLU()], xla_wrap.CheckpointValueError, "layer 1 differing"),
     ],
-    ids=["empty", "not-a-module", "one-module", "other-shapes", "other-class"],
+    ids=["not-a-module", "one-module", "other-shapes", "other-class"],
 )
 def test_bad_layers_get_an_error_naming_the_api(layers: Any, error: type, message: str) -> None:
     with pytest.raises(error, match=message) as info:
         xla_wrap.scan_layers(layers, torch.randn(2, 2))
     assert "xla_wrap.scan_layers" in str(info.value)
+
+
+def test_no_layers_leave_the_carry_as_it_came() -> None:
+    # As the loop over an empty list, and torch_xla's scan_layers.
+    x = torch.randn(2, 2)
+    assert xla_wrap.scan_layers([], x) is x
+    assert xla_wrap.scan_layers(nn.ModuleList(), x, torch.ones(1), shift=0.5) is x
 
 
 def test_hooks_and_wrong_outputs_are_refused() -> None:

@@ -18,14 +18,19 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def apply_activation_checkpointing(
-    model: M, check_fn: Callable[[nn.Module], bool] | Policy, **wrapper_options: Any
+    model: M,
+    check_fn: Callable[[nn.Module], bool] | Policy | None = None,
+    *,
+    auto_wrap_policy: Any = None,
+    **wrapper_options: Any,
 ) -> M:
     """Wrap, in place, every submodule of ``model`` that ``check_fn`` selects.
 
     ``check_fn`` is either a callable ``check_fn(module) -> bool`` or a policy from
     :mod:`xla_wrap.wrap` (by type, by name, by size, every n-th, combinations). A policy sees the
     whole model at once; one that selects nothing gives a warning, and one that selects the
-    model itself is refused.
+    model itself is refused. Instead of ``check_fn``, PyTorch's keyword ``auto_wrap_policy``
+    takes an FSDP auto-wrap policy, as PyTorch's function of the same name does.
 
     Children are visited before their parents (post-order), so ``check_fn`` sees a parent whose
     selected children are already wrapped. The root is never wrapped (a policy means the blocks
@@ -38,6 +43,10 @@ def apply_activation_checkpointing(
     Args:
         model: The model to modify.
         check_fn: Decides, per submodule, whether to checkpoint it.
+        auto_wrap_policy: Instead of ``check_fn``: a policy of ``torch.distributed.fsdp.wrap``
+            (``ModuleWrapPolicy({Block})``, ``CustomPolicy``, or a function such as
+            ``partial(size_based_auto_wrap_policy, min_num_params=...)``, called with
+            ``recurse=False`` and the parameter count not yet wrapped below the module).
         **wrapper_options: Keyword options for :func:`checkpoint_wrapper` (``policy``,
             ``use_reentrant``, ...).
 
@@ -64,11 +73,26 @@ def apply_activation_checkpointing(
             f"{api}: expected an nn.Module as `model`, got {describe(model)}. Pass the model "
             "whose submodules should be checkpointed."
         )
+    if "checkpoint_wrapper_fn" in wrapper_options:
+        raise CheckpointTypeError(
+            f"{api}: got `checkpoint_wrapper_fn`, PyTorch's keyword for the wrapper to apply; "
+            "xla_wrap applies its own checkpoint_wrapper. Pass its options as keywords instead "
+            "(`use_reentrant=`, `preserve_rng_state=`, `policy=`, `offload_to_cpu=`)."
+        )
+    if auto_wrap_policy is not None:
+        if check_fn is not None:
+            raise CheckpointValueError(
+                f"{api}: expected `check_fn` or `auto_wrap_policy`, got both. Pass one: "
+                "PyTorch ignores `check_fn` when `auto_wrap_policy` is given."
+            )
+        check_fn = _from_fsdp_policy(api, auto_wrap_policy, model)
+    elif hasattr(check_fn, "_run_policy"):  # an FSDP policy given where PyTorch's goes
+        check_fn = _from_fsdp_policy(api, check_fn, model)
     if not (isinstance(check_fn, Policy) or callable(check_fn)):
         raise CheckpointTypeError(
-            f"{api}: expected a callable `check_fn(module) -> bool` or an xla_wrap.wrap policy, "
-            f"got {describe(check_fn)}. Example: `check_fn=lambda m: isinstance(m, Block)` or "
-            "`xla_wrap.wrap.by_type(Block)`."
+            f"{api}: expected a callable `check_fn(module) -> bool` or an xla_wrap.wrap policy "
+            f"(or an FSDP policy as `auto_wrap_policy=`), got {describe(check_fn)}. Example: "
+            "`check_fn=lambda m: isinstance(m, Block)` or `xla_wrap.wrap.by_type(Block)`."
         )
     options = options_from(api, wrapper_options)
     if isinstance(check_fn, Policy):
@@ -88,6 +112,33 @@ def apply_activation_checkpointing(
 
     visit(model)
     return model
+
+
+def _from_fsdp_policy(api: str, policy: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
+    """The per-module test of an FSDP auto-wrap policy, as PyTorch's
+    ``apply_activation_checkpointing`` applies one."""
+    if hasattr(policy, "_run_policy"):  # torch.distributed.fsdp.wrap._Policy
+        chosen = {id(m) for m in policy._run_policy(model, set(), {}) if m is not model}
+        return lambda module: id(module) in chosen
+    if not callable(policy):
+        raise CheckpointTypeError(
+            f"{api}: expected a policy of torch.distributed.fsdp.wrap as `auto_wrap_policy` "
+            f"(ModuleWrapPolicy, CustomPolicy, or a function of (module, recurse, "
+            f"nonwrapped_numel)), got {describe(policy)}. Or pass `check_fn`."
+        )
+
+    def check(module: nn.Module) -> bool:
+        # As FSDP's recursive wrap: the parameters of the module not inside a wrapped child.
+        wrapped = {
+            id(p)
+            for m in module.modules()
+            if m is not module and isinstance(m, CheckpointWrapper)
+            for p in m.parameters()
+        }
+        remainder = sum(p.numel() for p in module.parameters() if id(p) not in wrapped)
+        return bool(policy(module=module, recurse=False, nonwrapped_numel=remainder))
+
+    return check
 
 
 def _resolved(api: str, policy: Policy, model: nn.Module) -> Callable[[nn.Module], bool]:

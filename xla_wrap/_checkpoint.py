@@ -14,7 +14,7 @@ from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
 from ._module_tensors import ModuleTensors
 from ._nonreentrant import run_nonreentrant
-from ._options import CheckpointOptions, make_options
+from ._options import CheckpointOptions, make_options, refuse_torch_only_keywords
 from ._recompute import CheckpointCall
 from ._reentrant import run_reentrant
 from ._state import checkpointing_disabled
@@ -132,7 +132,9 @@ def checkpoint(
         What ``function`` returns.
 
     Raises:
-        CheckpointTypeError: If ``function`` or ``policy`` is not callable.
+        CheckpointTypeError: If ``function`` or ``policy`` is not callable, or a keyword of
+            ``torch.utils.checkpoint.checkpoint`` that xla_wrap lacks is given
+            (``context_fn``, ``determinism_check``, ``debug``, ``early_stop``).
         CheckpointValueError: If ``policy`` is unknown or given with ``use_reentrant=True``.
         CheckpointError: In backward, if the recomputation computes something else than the
             forward did (the first different output or saved tensor is named), or if the
@@ -153,6 +155,7 @@ def checkpoint(
             "Pass the module or function to run, then its arguments: "
             "`checkpoint(block, x, mask=m)`."
         )
+    refuse_torch_only_keywords("xla_wrap.checkpoint", kwargs)
     options = make_options(
         "xla_wrap.checkpoint",
         preserve_rng_state=preserve_rng_state,

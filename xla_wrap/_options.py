@@ -17,6 +17,31 @@ DEFAULT_REENTRANT = False
 #: The keyword options every checkpointing API accepts.
 OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
 
+# torch.utils.checkpoint.checkpoint's keywords that xla_wrap does not take, with what to do
+# instead. Passed to xla_wrap.checkpoint they would reach the function as its own arguments,
+# and a forward taking **kwargs (as Hugging Face layers do) would drop them without a word.
+_TORCH_ONLY_KEYWORDS = {
+    "context_fn": "choose what to keep with `policy=` (xla_wrap.checkpoint_policies) instead",
+    "determinism_check": "xla_wrap always checks the recomputation (count, shapes and dtypes "
+    "of what it saves) and names the first difference; drop it",
+    "debug": "xla_wrap's CheckpointError names the first different tensor and the op that made "
+    "it; drop it",
+    "early_stop": "xla_wrap always stops the recomputation once the last saved tensor exists "
+    "(on XLA the compiler drops the rest); drop it",
+}
+
+
+def refuse_torch_only_keywords(api: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword of ``torch.utils.checkpoint.checkpoint`` that xla_wrap lacks."""
+    for name in (name for name in _TORCH_ONLY_KEYWORDS if name in kwargs):
+        raise CheckpointTypeError(
+            f"{api}: expected the function's own keyword arguments and xla_wrap's options "
+            f"({', '.join(OPTION_NAMES)}), got `{name}`, an option of "
+            f"torch.utils.checkpoint.checkpoint that xla_wrap does not take: "
+            f"{_TORCH_ONLY_KEYWORDS[name]}. If `{name}` is the function's own argument, bind it: "
+            f"`checkpoint(functools.partial(function, {name}=...), *args)`."
+        )
+
 
 @dataclass(frozen=True)
 class CheckpointOptions:

@@ -85,10 +85,10 @@ def scan_layers(
         **kwargs: Keyword arguments every layer receives.
 
     Returns:
-        The last layer's output.
+        The last layer's output; the carry itself if ``layers`` is empty (as the loop).
 
     Raises:
-        CheckpointTypeError: If ``layers`` is not a non-empty sequence of modules, or a layer
+        CheckpointTypeError: If ``layers`` is not a sequence of modules, or a layer
             returns something other than its carry's structure.
         CheckpointValueError: If the layers differ in structure, carry hooks, or are XLA FSDP
             units (v1), which cannot run inside a loop body.
@@ -121,6 +121,8 @@ def run_scan(
             f"{api}: expected the carry as the first positional argument after the layers, "
             "got none. Call it as scan_layers(layers, x, ...), as the loop calls layer(x, ...)."
         )
+    if isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)) and not layers:
+        return args[0]  # a loop over no layer leaves the carry as it came (torch_xla's too)
     if _compiled.compiling():
         return compiled_loop(api, list(layers), args, kwargs, options)
     stack = _LayerStack.of(layers, api)
