@@ -449,3 +449,76 @@ def test_the_backward_barrier_holds_the_blocks_buffers_too(xla_device: torch.dev
     assert f"f32[3,{WIDTH}]" in barriers[0]  # the buffer
     assert f"f32[{WIDTH},{WIDTH}]" in barriers[0]  # the weight
     assert barriers[0].count(f"f32[{BATCH},{WIDTH}]") == 2  # the input and its gradient
+
+
+def _accumulation_model(dropout: float) -> nn.Module:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(dropout))
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), inner, nn.Linear(WIDTH, 1))
+
+
+def _accumulate(model: nn.Module, device: torch.device) -> list[torch.Tensor]:
+    import torch_xla
+    from torch_xla.experimental.gradient_accumulation import gradient_accumulation
+
+    model.to(device)
+    xs = torch.randn(3, BATCH, WIDTH, generator=torch.Generator().manual_seed(1)).to(device)
+    ys = torch.randn(3, BATCH, 1, generator=torch.Generator().manual_seed(2)).to(device)
+    torch_xla.sync()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (model(x) - y).pow(2).mean()
+
+    loss = gradient_accumulation(step, (xs, ys), model)
+    torch_xla.sync()
+    return [loss.cpu(), *(p.grad.cpu() for p in model.parameters())]
+
+
+@pytest.mark.xla
+def test_inside_torch_xlas_gradient_accumulation_loop(xla_device: torch.device) -> None:
+    # test_train_spmd_linear_model.py's gradient-accumulation test, checkpoint arm: the loop
+    # gives the plain model's losses and gradients.
+    plain = _accumulation_model(0.0)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed[2] = xla_wrap.checkpoint_wrapper(checkpointed[2])
+    expected, got = _accumulate(plain, xla_device), _accumulate(checkpointed, xla_device)
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6)
+    # The loop gives each iteration a seed of its own, which no replay can reproduce: Dropout
+    # inside a checkpoint there is refused rather than recomputed with other masks.
+    with_dropout = _accumulation_model(0.5)
+    with_dropout[2] = xla_wrap.checkpoint_wrapper(with_dropout[2])
+    with pytest.raises(xla_wrap.CheckpointError, match="gradient_accumulation loop"):
+        _accumulate(with_dropout, xla_device)
+
+
+@pytest.mark.xla
+def test_under_xla_autocast_the_step_equals_the_unwrapped_models(xla_device: torch.device) -> None:
+    # test_grad_checkpoint.py --test_autocast: checkpointed blocks under torch.autocast("xla").
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from models import Stack
+
+    torch.manual_seed(0)
+    plain = Stack()
+    results = []
+    for wrap in (False, True):
+        model = copy.deepcopy(plain)
+        if wrap:
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = xla_wrap.checkpoint_wrapper(block)
+        model.to(xla_device)
+        x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+        x = x.to(xla_device).requires_grad_()
+        xm.set_rng_state(5, str(xla_device))
+        with torch.autocast("xla", dtype=torch.bfloat16):
+            loss = model(x)
+        assert loss.dtype == torch.bfloat16
+        loss.backward()
+        torch_xla.sync()
+        results.append(
+            [loss.float().cpu(), x.grad.cpu(), *(p.grad.cpu() for p in model.parameters())]
+        )
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -98,6 +98,8 @@ def record_forward(
         args, kwargs = inputs.rebuild(tensors)
         outputs = Flat.of(call.function(*args, **kwargs))
     _check_inputs_unchanged(call.api, tensors, versions)
+    if rng is not None:
+        _rng.refuse_unreplayable(call.api, rng)
     record = ForwardRecord(
         call=call,
         inputs=inputs.without_tensors(),

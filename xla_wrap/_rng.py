@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _xla
+from ._errors import CheckpointError
 from ._state import local
 
 
@@ -47,6 +48,22 @@ def capture(tensors: Iterable[torch.Tensor]) -> RngSnapshot:
         cuda = tuple((i, torch.cuda.get_rng_state(i)) for i in indices)
     xla = tuple((d, _xla.rng_state(d)) for d in _xla.xla_devices(tensors))
     return RngSnapshot(cpu=torch.get_rng_state(), cuda=cuda, xla=xla)
+
+
+def refuse_unreplayable(api: str, snapshot: RngSnapshot) -> None:
+    """Refuse a forward that drew XLA random numbers where its draws cannot be replayed: in
+    torch_xla's ``gradient_accumulation`` loop, the recomputation would draw other Dropout
+    masks than the forward, and the gradients would be wrong without any error."""
+    for device, seed in snapshot.xla:
+        if _xla.rng_state(device) != seed and _xla.in_gradient_accumulation_loop():
+            raise CheckpointError(
+                f"{api}: the checkpointed block drew random numbers (Dropout) inside torch_xla's "
+                "gradient_accumulation loop, which gives each iteration a seed of its own that "
+                "the recomputation cannot replay: its masks would differ from the forward's and "
+                "the gradients would be wrong. Inside that loop, checkpoint only blocks without "
+                "random ops, or accumulate with a Python loop of forward and backward passes "
+                "(each backward adds to .grad)."
+            )
 
 
 @contextmanager

@@ -271,6 +271,21 @@ def rng_state(device: torch.device) -> int:
     return int(xm.get_rng_state(str(device)))
 
 
+def in_gradient_accumulation_loop() -> bool:
+    """Whether the calling code runs inside the body of torch_xla's ``gradient_accumulation``
+    (its XLA While loop gives each iteration a seed of its own, as an input of the traced body
+    that no host-side seed can stand for)."""
+    module = _loaded("torch_xla.experimental.gradient_accumulation")
+    if module is None:
+        return False
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == module.__name__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def set_rng_state(device: torch.device, seed: int) -> None:
     """Set both the running and the base RNG seed of an XLA device."""
     xm = _loaded("torch_xla.core.xla_model")
