@@ -251,6 +251,34 @@ def test_on_xla_the_step_matches_eager_and_recomputes_once_behind_barriers(
 
 
 @pytest.mark.xla
+@pytest.mark.filterwarnings("ignore:xla_wrap. offloading to host memory is not available")
+@pytest.mark.parametrize("entry", [e for e in ENTRY_POINTS if e != "checkpoint_wrapper"])
+def test_on_xla_every_entry_point_gives_the_unwrapped_second_derivatives(
+    xla_device: torch.device, entry: str
+) -> None:
+    # The wrapper's program is measured above; here each other entry point's values, and
+    # its barriers in the step's graph.
+    plain, checkpointed = _twins(entry)
+    results, barriers = [], []
+    for model in (plain, checkpointed):
+        model.to(xla_device)
+        sync(xla_device)
+        x = _input(xla_device)
+        seed_everything(xla_device, 21)
+        loss = model(x)
+        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + grad_x.pow(2).sum()).backward()
+        grads = [loss, grad_x, x.grad, *(p.grad for p in model.parameters())]
+        barriers.append(introspect.count_instructions(introspect.pending_hlo(grads), "opt-barrier"))
+        sync(xla_device)
+        results.append([g.detach().cpu() for g in grads])
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    checkpoints = {"checkpoint_sequential": 2, "nested": 4}.get(entry, 3)
+    assert barriers == [0, checkpoints]
+
+
+@pytest.mark.xla
 def test_optimization_barrier_is_twice_differentiable_on_xla(xla_device: torch.device) -> None:
     x = torch.linspace(-1, 1, 5).to(xla_device).requires_grad_()
     (y,) = xla_wrap.optimization_barrier(x**3)
