@@ -144,13 +144,12 @@ def _functional_forward(stack: Stack, x: torch.Tensor) -> torch.Tensor:
         return block(x) * scale + (0 if shift is None else shift)
 
     for block in stack.blocks:
-        x = xla_wrap.checkpoint(  # `debug` is the function's, though torch's checkpoint has one
-            run,
+        x = xla_wrap.checkpoint(  # `debug` is the function's: bound, as torch's checkpoint has one
+            functools.partial(run, debug=False),
             block,
             x,
             scale=1.0,
             shift=None,
-            debug=False,
             policy=cp.save_only_these_names("hidden"),
         )
     return x
