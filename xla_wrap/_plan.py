@@ -12,6 +12,7 @@ from torch import nn
 
 from . import checkpoint_policies as cp
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
+from ._layouts import names_without_wrappers
 from ._options import CheckpointOptions, make_options
 from ._plan_solver import DOTS, FULL, NONE, OFFLOAD, BlockCost
 from ._wrapper import checkpoint_in_place
@@ -147,7 +148,7 @@ def apply_choices(api: str, model: M, choices: Mapping[str, str]) -> M:
         raise CheckpointTypeError(
             f"{api}: expected the nn.Module the plan was made for, got {describe(model)}."
         )
-    modules = _unwrapped_names(model)
+    modules = names_without_wrappers(model)
     chosen = {name: choice for name, choice in choices.items() if choice != NONE}
     missing = [name for name in chosen if name not in modules]
     if missing:
@@ -161,31 +162,3 @@ def apply_choices(api: str, model: M, choices: Mapping[str, str]) -> M:
         assert options is not None
         checkpoint_in_place(api, modules[name], options)
     return model
-
-
-def _unwrapped_names(model: nn.Module) -> dict[str, nn.Module]:
-    """Every submodule under its name without FSDP's wrapper segments (``blocks.0``, not
-    ``blocks.0._fsdp_wrapped_module`` or ``blocks.0.module``); first name wins."""
-    names: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
-        parts = name.split(".") if name else []
-        kept: list[str] = []
-        parent = model
-        for part in parts:
-            child = parent._modules[part]
-            assert child is not None
-            if not (part in _FSDP_WRAPPED and _is_fsdp(parent)):
-                kept.append(part)
-            parent = child
-        names.setdefault(".".join(kept), module)
-    return names
-
-
-# The attribute under which each FSDP class keeps the module it wraps.
-_FSDP_WRAPPED = frozenset({"_fsdp_wrapped_module", "module"})
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    from .fsdp import is_unit  # the FSDP helpers build on the core, not the other way round
-
-    return is_unit(module)

@@ -24,14 +24,12 @@ from torch import nn
 
 from . import _xla
 from ._errors import CheckpointError, CheckpointValueError
+from ._layouts import WRAPPED_CHILDREN
 
 # In a layer's __dict__: its index on the stacked parameters' first dimension.
 _SLOT = "_xla_wrap_stack_slot"
 # In the list's __dict__, while its parameters are stacked: how many layers they hold.
 _STACKED = "_xla_wrap_parameters_stacked"
-# The children through which wrappers (FSDPv2 and FSDP units, torch's checkpoint_wrapper) hold
-# the layer they wrap; xla_wrap's own checkpoint_wrapper keeps the layer itself.
-_WRAPPED_CHILDREN = ("_orig_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def slot(layer: nn.Module) -> int | None:
@@ -42,7 +40,7 @@ def slot(layer: nn.Module) -> int | None:
         if _SLOT in module.__dict__:
             index: int = module.__dict__[_SLOT]
             return index
-        module = next((module._modules[c] for c in _WRAPPED_CHILDREN if c in module._modules), None)
+        module = next((module._modules[c] for c in WRAPPED_CHILDREN if c in module._modules), None)
     return None
 
 

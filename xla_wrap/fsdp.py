@@ -31,6 +31,7 @@ from torch import nn
 
 from . import _hooks, _xla
 from ._errors import CheckpointTypeError, CheckpointValueError, describe
+from ._layouts import is_fsdp_unit as is_unit
 from ._options import options_from
 from ._plan import CheckpointPlan
 from ._recompute import ForwardRecord
@@ -100,26 +101,9 @@ def auto_wrapper_callable(
     return build
 
 
-# FSDP wrapper classes: torch_xla's FSDP and FSDPv2, PyTorch's FSDP1 and FSDP2 (whose
-# fully_shard makes each module an FSDPModule), FairScale's FSDP.
-_FSDP_CLASS_NAMES = frozenset(
-    {
-        "XlaFullyShardedDataParallel",
-        "SpmdFullyShardedDataParallel",
-        "FullyShardedDataParallel",
-        "FSDPModule",
-    }
-)
-
-
 def fsdp_units(model: nn.Module) -> list[str]:
     """Qualified names of the FSDP units in ``model`` ("" for the model itself)."""
     return [name for name, module in model.named_modules() if is_unit(module)]
-
-
-def is_unit(module: nn.Module) -> bool:
-    """Whether ``module`` is a unit of any FSDP (its class or a base named like FSDP's)."""
-    return any(cls.__name__ in _FSDP_CLASS_NAMES for cls in type(module).__mro__)
 
 
 def format_units(units: list[str]) -> str:

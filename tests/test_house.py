@@ -1,0 +1,257 @@
+"""The house rules, read from xla_wrap's own source (nothing is imported): no circles between
+modules, no private name taken across rooms, each other library reached from its own room only,
+and no import back up a floor.
+
+The package is moving from one flat folder into rooms (issue "The house"). ``ROOMS`` lists the
+rooms that exist, with their floors; a module in no room yet is its own room and has no floor.
+``KNOWN`` lists today's violations, each to be removed by the step that fixes it: the test fails
+on a new violation and on a listed one that no longer occurs, so the list stays true. Entries
+name modules, not lines, so that editing a file does not touch this list.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "xla_wrap"
+
+# Rooms by dotted prefix (the longest match at a dot boundary wins) and their floors: a room
+# imports only rooms on lower floors. Faces (floor 9) hand names on and may import each other.
+ROOMS: dict[str, int] = {
+    "xla_wrap.checkpoint_policies": 2,
+    "xla_wrap.bench": 10,
+}
+FACES = {"xla_wrap"}
+FACE_FLOOR = 9
+
+# Other libraries, and the modules (dotted prefixes) that may reach them: today's gateways
+# (``_xla`` for torch_xla; ``_compiled`` and ``_openxla`` for torch.compile), and the bench.
+LIBRARIES: dict[str, tuple[str, ...]] = {
+    "torch_xla": ("xla_wrap._xla", "xla_wrap.bench."),
+    "torch._dynamo": ("xla_wrap._compiled", "xla_wrap._openxla", "xla_wrap.bench."),
+    "torch._functorch": ("xla_wrap._compiled", "xla_wrap._openxla"),
+    "functorch": ("xla_wrap._compiled", "xla_wrap._openxla", "xla_wrap.bench."),
+    "torch.utils.checkpoint": ("xla_wrap._compiled", "xla_wrap._openxla", "xla_wrap.bench."),
+    "transformers": ("xla_wrap.integrations.transformers",),
+    "fairscale": ("xla_wrap.bench.",),
+}
+
+# Today's violations (issue "The house" fixes each); the aim is an empty set.
+KNOWN: set[str] = {
+    "library: xla_wrap._openxla imports torch_xla",
+    "library: xla_wrap._planner imports torch_xla",
+    "library: xla_wrap._scan imports torch_xla",
+    "library: xla_wrap.introspect imports functorch",
+    "library: xla_wrap.introspect imports torch._dynamo",
+    "library: xla_wrap.introspect imports torch.utils.checkpoint",
+    "library: xla_wrap.introspect imports torch_xla",
+    "private: xla_wrap._alike takes xla_wrap._stacked._SLOT",
+    "private: xla_wrap._alike takes xla_wrap._stacked._STACKED",
+    "private: xla_wrap._alike takes xla_wrap._wrapper._INSTANCE_FORWARD",
+    "private: xla_wrap._alike takes xla_wrap._wrapper._OPTIONS",
+    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._AllNamesBut",
+    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._Both",
+    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._Named",
+    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._OffloadDotsWithoutBatch",
+    "private: xla_wrap._offload takes xla_wrap._xla._caller_stacklevel",
+    "private: xla_wrap._planner takes xla_wrap._xla._barriers_stripped_here",
+    "private: xla_wrap._planner takes xla_wrap._xla._loaded",
+    "private: xla_wrap._scan takes xla_wrap._rng._StepBaseSeed",
+    "private: xla_wrap._scan takes xla_wrap._xla._SEED_MASK",
+    "private: xla_wrap._scan takes xla_wrap._xla._loaded",
+    "private: xla_wrap._scanned takes xla_wrap._scan._LayerStack",
+    "private: xla_wrap.bench._plan takes xla_wrap._planner._Progress",
+    "private: xla_wrap.bench._plan takes xla_wrap._planner._Step",
+    "private: xla_wrap.bench._plan takes xla_wrap._planner._model_left_unchanged",
+    "private: xla_wrap.bench._plan takes xla_wrap._planner._summed",
+    "private: xla_wrap.integrations.transformers takes xla_wrap._checkpoint._unpartial",
+    "private: xla_wrap.introspect takes xla_wrap._xla._loaded",
+}
+
+
+@dataclass
+class _Module:
+    name: str
+    path: Path
+    is_package: bool
+    imports: list[tuple[str, str | None]] = field(default_factory=list)  # (module, name)
+    attributes: list[tuple[str, str]] = field(default_factory=list)  # (module alias, attribute)
+    named: list[str] = field(default_factory=list)  # libraries named by a string
+
+
+def _library(dotted: str) -> str | None:
+    return next((lib for lib in LIBRARIES if dotted == lib or dotted.startswith(lib + ".")), None)
+
+
+def _modules() -> dict[str, _Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        name = ".".join(["xla_wrap", *(parts[:-1] if is_package else parts)])
+        found[name] = _Module(name, path, is_package)
+    return found
+
+
+def _resolve(module: _Module, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.name.split(".")
+    if not module.is_package:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _read(module: _Module, known: dict[str, _Module]) -> None:
+    """Every import (at module level, in functions, under TYPE_CHECKING), every attribute read
+    through an imported module, and every library named by a string (``sys.modules.get``,
+    ``importlib.import_module``, ``find_spec``, ``_loaded``)."""
+    tree = ast.parse(module.path.read_text(), filename=str(module.path))
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node.level, node.module)
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in known:  # `from . import x`: a module
+                    module.imports.append((sub, None))
+                    aliases[alias.asname or alias.name] = sub
+                else:
+                    module.imports.append((target, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                module.imports.append((alias.name, None))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func, value = node.func, node.args[0].value
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            by_string = called in ("import_module", "find_spec", "_loaded") or (
+                called == "get"
+                and isinstance(func, ast.Attribute)
+                and ast.unparse(func.value) == "sys.modules"
+            )
+            if by_string and isinstance(value, str) and _library(value):
+                module.named.append(value)
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+        ):
+            module.attributes.append((aliases[node.value.id], node.attr))
+
+
+def _room(name: str) -> str:
+    if name in FACES:
+        return name
+    matches = [prefix for prefix in ROOMS if name == prefix or name.startswith(prefix + ".")]
+    return max(matches, key=len) if matches else name  # not placed yet: a room of its own
+
+
+def _floor(room: str) -> int | None:
+    return FACE_FLOOR if room in FACES else ROOMS.get(room)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def violations() -> set[str]:
+    modules = _modules()
+    for module in modules.values():
+        _read(module, modules)
+    graph: dict[str, set[str]] = defaultdict(set)
+    found: set[str] = set()
+    for module in modules.values():
+        room = _room(module.name)
+        for target, name in module.imports:
+            library = _library(target if name is None else f"{target}.{name}") or _library(target)
+            if library and not module.name.startswith(LIBRARIES[library]):
+                found.add(f"library: {module.name} imports {library}")
+            if target not in modules:
+                continue
+            if target != module.name:
+                graph[module.name].add(target)
+            target_room = _room(target)
+            if room == target_room or (room in FACES and target_room in FACES):
+                continue
+            floor, target_floor = _floor(room), _floor(target_room)
+            if floor is not None and target_floor is not None and target_floor >= floor:
+                found.add(f"up a floor: {room} ({floor}) imports {target_room} ({target_floor})")
+            if name is not None and _private(name):
+                found.add(f"private: {module.name} takes {target}.{name}")
+        for owner, attribute in module.attributes:
+            if owner in modules and _room(owner) != room and _private(attribute):
+                found.add(f"private: {module.name} takes {owner}.{attribute}")
+        for library_name in module.named:
+            library = _library(library_name)
+            if library and not module.name.startswith(LIBRARIES[library]):
+                found.add(f"library: {module.name} imports {library}")
+    for circle in _circles(graph):
+        found.add("circle: " + " <-> ".join(circle))
+    return found
+
+
+def test_the_package_keeps_the_house_rules() -> None:
+    found = violations()
+    assert not (found - KNOWN), "new violations:\n" + "\n".join(sorted(found - KNOWN))
+    assert not (KNOWN - found), "fixed, remove from KNOWN:\n" + "\n".join(sorted(KNOWN - found))
+
+
+def test_the_reader_sees_what_it_must_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules catch a circle, a private name across rooms, a library outside its room and
+    an import up a floor, in a package made for the purpose."""
+    package = tmp_path / "xla_wrap"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("from ..high import thing\n")
+    (package / "high.py").write_text(
+        "from .low import _secret\nfrom . import other\nimport torch_xla\nthing = 1\n"
+    )
+    (package / "other.py").write_text("from . import high\n")
+    monkeypatch.setitem(globals(), "PACKAGE", package)
+    monkeypatch.setitem(globals(), "ROOMS", {"xla_wrap.low": 1, "xla_wrap.high": 2})
+    assert violations() == {
+        "circle: xla_wrap.high <-> xla_wrap.low <-> xla_wrap.other",
+        "private: xla_wrap.high takes xla_wrap.low._secret",
+        "library: xla_wrap.high imports torch_xla",
+        "up a floor: xla_wrap.low (1) imports xla_wrap.high (2)",
+    }
