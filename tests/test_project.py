@@ -50,6 +50,18 @@ def _run_example(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def test_the_installed_version_is_the_packages_one() -> None:
+    # One version, written once: pyproject.toml reads xla_wrap.__version__.
+    import importlib.metadata
+
+    import xla_wrap
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert importlib.metadata.version("xla_wrap") == xla_wrap.__version__
+
+
 @pytest.mark.subprocess
 def test_import_and_eager_features_work_without_torch_xla() -> None:
     done = subprocess.run(
