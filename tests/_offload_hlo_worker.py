@@ -17,8 +17,8 @@ import torch_xla
 from torch import nn
 
 import xla_wrap
-from xla_wrap import _offload, introspect
 from xla_wrap import checkpoint_policies as cp
+from xla_wrap import internal, introspect
 
 WIDTH = 8
 
@@ -66,7 +66,7 @@ def main() -> None:
         torch.manual_seed(0)
         block = Tagged().to(device)
         x = torch.randn(4, WIDTH, device=device, requires_grad=True)
-        with _offload.annotating_on_any_backend():
+        with internal.annotating_offload_on_any_backend():
             xla_wrap.checkpoint(block, x, **options).sum().backward()
         grads = [x.grad, *(p.grad for p in block.parameters())]
         results[label] = placements(introspect.pending_hlo(grads))

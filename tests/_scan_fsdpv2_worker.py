@@ -30,7 +30,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 )
 
 import xla_wrap
-from xla_wrap import _stacked, introspect
+from xla_wrap import internal, introspect
 from xla_wrap.bench._models import TransformerStack, causal_mask
 
 introspect.enable_compile_dumps()  # FLOPs per device, read from the compiled step
@@ -121,7 +121,7 @@ def run(build: Callable[[Any], nn.Module], mesh: Any, transformer: bool = False)
         # By state_dict name, one per layer also where the parameters are stacked.
         "grads": {
             _name(n): g.cpu().tolist()
-            for n, g in _stacked.per_layer_gradients(model).items()
+            for n, g in internal.per_layer_gradients(model).items()
             if g is not None
         },
         "sharded": {

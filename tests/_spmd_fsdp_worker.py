@@ -44,7 +44,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 )
 
 import xla_wrap
-from xla_wrap import _xla, fsdp, introspect, wrap
+from xla_wrap import fsdp, internal, introspect, wrap
 
 introspect.enable_compile_dumps()
 xr.use_spmd()  # before any XLA tensor exists
@@ -180,7 +180,7 @@ def run(build: Callable[[Net], nn.Module], mesh: Any) -> dict[str, Any]:
             else {}
         ),
         warnings=[str(w.message) for w in caught if "SPMD" in str(w.message)],
-        sharded=all(_xla.sharding(p) is not None for p in model.parameters()),
+        sharded=all(internal.sharding(p) is not None for p in model.parameters()),
     )
     return result
 
@@ -211,7 +211,7 @@ def data_inputs(mesh: Any) -> dict[str, Any]:
         counts.append(met.metric_data("CompileTime")[0])
     return {
         "recompiles": counts[1] - counts[0],
-        "still data": _xla.is_device_data(x) and _xla.is_device_data(scale),
+        "still data": internal.is_device_data(x) and internal.is_device_data(scale),
     }
 
 

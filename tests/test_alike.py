@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import xla_wrap
-from xla_wrap import _stacked
+from xla_wrap import internal
 
 from models import sync
 
@@ -173,7 +173,7 @@ def _run(layers: list[nn.Module], form: str | None, device: torch.device) -> dic
     x = torch.linspace(-1.0, 1.0, 2 * WIDTH).reshape(2, WIDTH).to(device).requires_grad_()
     y = model(x)
     y.pow(2).sum().backward()
-    out = {"y": y.detach(), "x": x.grad, **_stacked.per_layer_gradients(model)}
+    out = {"y": y.detach(), "x": x.grad, **internal.per_layer_gradients(model)}
     sync(device)
     return {k: v.cpu() for k, v in out.items()}
 

@@ -351,9 +351,9 @@ def test_offload_policies_offload_where_torch_can_and_keep_the_values_elsewhere(
 
     x = _x().requires_grad_()
     expected = torch.autograd.grad(torch.tanh(layer(x)).sum(), x)[0]
-    from xla_wrap import _compiled
+    from xla_wrap import internal
 
-    _compiled._warn_offload_kept_once.cache_clear()  # once per process: this test's to see
+    internal.forget_warnings()  # each warns once per process: this test's to see
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.compile(step, backend="aot_eager", fullgraph=True)(x).backward()
@@ -458,7 +458,7 @@ def _barriered_graphs(model: nn.Module) -> tuple[list[int], fx.GraphModule]:
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from xla_wrap._openxla import place_barriers
+    from xla_wrap.internal import place_barriers
 
     placed, graphs = [], []
 
@@ -480,7 +480,7 @@ def test_each_recomputed_block_waits_behind_a_barrier_for_its_gradient() -> None
     """The backward graph's pass, on eager CPU (both torch versions): one barrier per
     checkpointed block; it takes a value computed from the incoming gradient, every value the
     recomputation reads from outside comes through it, and the step is unchanged."""
-    from xla_wrap._openxla import _barrier
+    from xla_wrap.internal import barrier_node
 
     _, twin = _wrapped("apply_activation_checkpointing", dropout=0.1)
     placed, graph = _barriered_graphs(twin)
@@ -490,7 +490,7 @@ def test_each_recomputed_block_waits_behind_a_barrier_for_its_gradient() -> None
     for node in graph.graph.nodes:
         if node.name.startswith("tangents") or set(node.all_input_nodes) & from_tangents:
             from_tangents.add(node)
-    barriers = [n for n in graph.graph.nodes if n.target is _barrier]
+    barriers = [n for n in graph.graph.nodes if n.target is barrier_node]
     assert len(barriers) == blocks
     assert all(set(b.args) & (from_tangents - {b}) for b in barriers)
     # every output is read (XLA drops unread ones), the gradient's by the backward

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import xla_wrap
-from xla_wrap import _hlo, introspect
+from xla_wrap import internal, introspect
 
 from models import WIDTH
 
@@ -29,9 +29,11 @@ Total bytes used: 1100 (1.07KiB)
 
 
 def test_buffer_assignment_splits_the_total_into_arguments_outputs_and_temporaries() -> None:
-    parsed = _hlo.parse_buffer_assignment(_BUFFER_ASSIGNMENT)
-    assert parsed == _hlo.BufferAssignment(total=1100, arguments=32, outputs=64, temporaries=1004)
-    assert _hlo.parse_buffer_assignment("no total here") is None
+    parsed = internal.parse_buffer_assignment(_BUFFER_ASSIGNMENT)
+    assert parsed == internal.BufferAssignment(
+        total=1100, arguments=32, outputs=64, temporaries=1004
+    )
+    assert internal.parse_buffer_assignment("no total here") is None
 
 
 _HLO = """

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import xla_wrap
-from xla_wrap import _offload
 from xla_wrap import checkpoint_policies as cp
+from xla_wrap import internal
 
 from models import BATCH, WIDTH, Stack, assert_same, sync, train_step, wrapped_copy
 
@@ -81,7 +81,7 @@ def test_xla_cpu_keeps_values_on_device_warns_once_and_runs_one_execution_per_st
     model = Stack().to(xla_device)
     twin = wrapped_copy(model, functools.partial(_wrap_blocks, options={"offload_to_cpu": True}))
     expected = train_step(model, xla_device, seed=4)
-    _offload._warn_kept_on_device_once.cache_clear()
+    internal.forget_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = train_step(twin, xla_device, seed=4)

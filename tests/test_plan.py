@@ -18,7 +18,9 @@ from torch import nn
 import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import wrap
-from xla_wrap._plan_solver import (
+from xla_wrap.bench._models import MlpBlock, TransformerBlock, build
+from xla_wrap.bench._plan import compare_plans
+from xla_wrap.internal import (
     DOTS,
     FULL,
     NONE,
@@ -26,11 +28,9 @@ from xla_wrap._plan_solver import (
     BlockCost,
     modelled_peak,
     objective,
+    repeated_blocks,
     solve,
 )
-from xla_wrap._planner import repeated_blocks
-from xla_wrap.bench._models import MlpBlock, TransformerBlock, build
-from xla_wrap.bench._plan import compare_plans
 
 # --- the solver, without XLA -----------------------------------------------------------------
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import xla_wrap
-from xla_wrap import _stacked, introspect
 from xla_wrap import checkpoint_policies as cp
+from xla_wrap import internal, introspect
 
 from models import sync
 
@@ -65,7 +65,7 @@ def _run(
         y = _loop(layers, x, scale, shift=0.5)  # a ScannedLayers scans it
     y.pow(2).mean().backward()
     out = {"y": y.detach(), "x": x.grad, "scale": scale.grad}
-    out.update(_stacked.per_layer_gradients(layers))
+    out.update(internal.per_layer_gradients(layers))
     sync(device)  # one program for all: each .cpu() would compile its own
     return {k: v.cpu() for k, v in out.items()}
 
@@ -377,7 +377,7 @@ def test_a_parameter_a_layer_holds_under_two_names_is_refused() -> None:
 
 
 def test_tiled_sharding_specs_read_as_torch_xla_prints_them() -> None:
-    from xla_wrap._xla import tiled_sharding
+    from xla_wrap.internal import tiled_sharding
 
     assert tiled_sharding("{devices=[4,1,1]0,1,2,3}") == ((4, 1, 1), [0, 1, 2, 3], 3)
     assert tiled_sharding("{devices=[4,1]<=[4]}") == ((4, 1), [0, 1, 2, 3], 2)
@@ -422,7 +422,7 @@ def test_stacked_parameters_on_eager_cpu_train_as_the_checkpointed_loop_bitwise(
         for layer in layers:
             y = layer(y) if layers is stacked else xla_wrap.checkpoint(layer, y)
         y.pow(2).sum().backward()
-        runs.append({"y": y, "x": x.grad, **_stacked.per_layer_gradients(layers)})
+        runs.append({"y": y, "x": x.grad, **internal.per_layer_gradients(layers)})
     assert runs[0].keys() == runs[1].keys()
     for key in runs[0]:
         assert torch.equal(runs[0][key], runs[1][key]), key

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import xla_wrap
-from xla_wrap import _stacked
+from xla_wrap import internal
 
 from models import tiny_gpt2
 
@@ -255,7 +255,7 @@ def test_scanned_transformers_layers_give_the_loops_loss_and_gradients(
     for model in (plain, twin):
         model.to(xla_device)
         loss, _ = _step(model, _ids(xla_device))
-        grads = list(_stacked.per_layer_gradients(model).values())
+        grads = list(internal.per_layer_gradients(model).values())
         torch_xla.sync()
         runs.append((loss.cpu(), [g.cpu() for g in grads]))
     (expected_loss, expected), (loss, grads) = runs

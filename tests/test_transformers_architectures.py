@@ -418,7 +418,7 @@ def test_scanned_with_stacked_parameters_is_bitwise_or_refused(reference: Refere
     """``scan=True, stack_parameters=True``: off XLA the scanned stack is the checkpointed
     loop, run on each layer's slices of the stacked parameters; its loss and every per-layer
     gradient (by state_dict name) are the unwrapped model's, bitwise, with Dropout."""
-    from xla_wrap import _stacked
+    from xla_wrap import internal
 
     twin = copy.deepcopy(reference.model)
     if reference.name in _NOT_SCANNED:
@@ -431,8 +431,8 @@ def test_scanned_with_stacked_parameters_is_bitwise_or_refused(reference: Refere
     assert list(twin.state_dict()) == list(reference.model.state_dict())
     loss, _ = _step(twin, reference.inputs)
     assert torch.equal(loss, reference.loss)
-    expected = _stacked.per_layer_gradients(reference.model)
-    got = _stacked.per_layer_gradients(twin)
+    expected = internal.per_layer_gradients(reference.model)
+    got = internal.per_layer_gradients(twin)
     assert got.keys() == expected.keys()
     for key, grad in expected.items():  # None only for frozen ones (Marian's positions)
         assert (got[key] is None) if grad is None else torch.equal(got[key], grad), key

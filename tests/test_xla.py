@@ -81,11 +81,13 @@ def test_the_step_base_seed_is_read_from_the_device_only_when_the_chain_breaks(
     reseeds, with the random stream still the unwrapped model's."""
     import torch_xla.core.xla_model as xm
 
-    from xla_wrap import _xla
+    from xla_wrap.internal import xla_gateway
 
     reads = []
-    read = _xla.base_seed
-    monkeypatch.setattr(_xla, "base_seed", lambda device: reads.append(device) or read(device))
+    read = xla_gateway.base_seed
+    monkeypatch.setattr(
+        xla_gateway, "base_seed", lambda device: reads.append(device) or read(device)
+    )
 
     def steps_with_a_reseed(m: nn.Module) -> list[dict]:
         steps = [train_step(m, xla_device, seed=None) for _ in range(3)]

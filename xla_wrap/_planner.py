@@ -560,6 +560,24 @@ def _applied(modules: Mapping[str, nn.Module], choices: Mapping[str, str]) -> It
             unwrap(module)
 
 
+def measure_choices(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    labelled_choices: Mapping[str, Mapping[str, str]],
+    *,
+    progress: bool = False,
+) -> dict[str, _Measured]:
+    """The compiled peak and FLOPs of the training step under each labelled choice per block
+    (of :func:`repeated_blocks`), the loss being the output's sum, as the planner measures
+    them; ``model`` is left as it was. For the bench's uniform plans."""
+    blocks = dict(repeated_blocks(model))
+    device = next(model.parameters()).device
+    step = _Step(model, args, kwargs, _summed, blocks, device, _Progress(progress))
+    with _model_left_unchanged(model, device):
+        return {label: step.measure(choices, label) for label, choices in labelled_choices.items()}
+
+
 @contextmanager
 def _model_left_unchanged(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Give back the model's gradients, buffers and the device's random state as they were:

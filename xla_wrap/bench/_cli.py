@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._xla import KEEP_BARRIERS_FLAG
+from ..internal import KEEP_BARRIERS_FLAG
 from ._models import MODELS, PLAN_ONLY_MODELS, SHARDED_DEVICES
 from ._report import compare, render_chart, render_plan_table, render_table
 from ._variants import DEPTH_VARIANTS, OPT_IN, TRANSFORMER_ONLY, VARIANTS

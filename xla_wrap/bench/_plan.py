@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 import xla_wrap
-from xla_wrap._plan import apply_choices
-from xla_wrap._plan_solver import DOTS, FULL, NONE
+from xla_wrap.internal import DOTS, FULL, NONE, apply_choices, measure_choices, repeated_blocks
 
 # Where the budgets lie between the all-full peak (0) and the unplanned peak (1).
 BUDGET_POSITIONS = (0.25, 0.5, 0.75)
@@ -51,24 +50,20 @@ def compare_plans(
     {name: {"peak_bytes", "flops", "choices"}}, "planned": [{"budget_bytes", "choices",
     "peak_bytes", "flops", "predicted_peak_bytes", "compiles", "cheapest_uniform"}]}``.
     """
-    from xla_wrap import _planner
-
-    blocks = _planner.repeated_blocks(model)
-    names = [name for name, _ in blocks]
-    device = next(model.parameters()).device
-    step = _planner._Step(
-        model, args, kwargs, _planner._summed, dict(blocks), device, _planner._Progress(progress)
-    )
-    uniform: dict[str, dict[str, Any]] = {}
-    with _planner._model_left_unchanged(model, device):
-        for label, chosen in uniform_plans(len(names)).items():
-            choices = dict(zip(names, chosen, strict=True))
-            measured = step.measure(choices, label)
-            uniform[label] = {
-                "peak_bytes": measured.peak_bytes,
-                "flops": measured.flops,
-                "choices": choices,
-            }
+    names = [name for name, _ in repeated_blocks(model)]
+    labelled = {
+        label: dict(zip(names, chosen, strict=True))
+        for label, chosen in uniform_plans(len(names)).items()
+    }
+    measured = measure_choices(model, args, kwargs, labelled, progress=progress)
+    uniform: dict[str, dict[str, Any]] = {
+        label: {
+            "peak_bytes": measured[label].peak_bytes,
+            "flops": measured[label].flops,
+            "choices": choices,
+        }
+        for label, choices in labelled.items()
+    }
     low, high = uniform["all full"]["peak_bytes"], uniform["none"]["peak_bytes"]
     planned = []
     for position in positions:

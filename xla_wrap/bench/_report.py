@@ -102,7 +102,7 @@ def render_table(runs: list[dict[str, Any]], caption: str = "") -> str:
 def render_plan_table(sections: list[dict[str, Any]]) -> str:
     """The plan section: per model, the uniform plans, then each budget's plan next to the
     cheapest uniform plan that fits the same budget."""
-    from .._plan import summarize
+    from ..internal import summarize
 
     rows = [
         ("model", "plan", "budget MiB", "peak MiB", "fits", "FLOPs vs none", "step vs none",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._stacked import per_layer_gradients
+from ..internal import per_layer_gradients
 from ._floor import estimated_floor
 from ._models import Workload, build
 from ._variants import STACK_VARIANTS, VARIANTS
