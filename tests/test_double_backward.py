@@ -81,7 +81,7 @@ ENTRY_POINTS: dict[str, tuple[Callable[[Blocks], None], Callable[[Blocks], None]
     "checkpoint": (_as_function, _blocks_scaled_half),
     "checkpoint_sequential": (_as_sequential, lambda m: None),
     "dots_saveable": (_wrap_blocks(policy="dots_saveable"), lambda m: None),
-    "save_only_these_names": (
+    "save_any_names_but_these": (
         _wrap_blocks(policy=xla_wrap.checkpoint_policies.save_any_names_but_these("x")),
         lambda m: None,
     ),

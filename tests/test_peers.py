@@ -75,6 +75,10 @@ def test_auto_wrap_policy_wraps_what_pytorchs_apply_activation_checkpointing_wra
     )
     got = [name for name, m in ours.named_modules() if isinstance(m, xla_wrap.CheckpointWrapper)]
     assert got and sorted(got) == sorted(expected)
+    if policy in ("ModuleWrapPolicy", "CustomPolicy"):  # also where check_fn goes
+        again = xla_wrap.apply_activation_checkpointing(_nested_linears(), _fsdp_policies()[policy])
+        wrapped = [n for n, m in again.named_modules() if isinstance(m, xla_wrap.CheckpointWrapper)]
+        assert sorted(wrapped) == sorted(expected)
 
 
 def test_pytorchs_wrapper_keywords_get_errors_that_say_what_to_pass() -> None:

@@ -79,15 +79,15 @@ def apply_activation_checkpointing(
             "xla_wrap applies its own checkpoint_wrapper. Pass its options as keywords instead "
             "(`use_reentrant=`, `preserve_rng_state=`, `policy=`, `offload_to_cpu=`)."
         )
+    if auto_wrap_policy is not None and check_fn is not None:
+        raise CheckpointValueError(
+            f"{api}: expected `check_fn` or `auto_wrap_policy`, got both. Pass one: "
+            "PyTorch ignores `check_fn` when `auto_wrap_policy` is given."
+        )
+    if hasattr(check_fn, "_run_policy"):  # an FSDP policy given as check_fn
+        check_fn, auto_wrap_policy = None, check_fn
     if auto_wrap_policy is not None:
-        if check_fn is not None:
-            raise CheckpointValueError(
-                f"{api}: expected `check_fn` or `auto_wrap_policy`, got both. Pass one: "
-                "PyTorch ignores `check_fn` when `auto_wrap_policy` is given."
-            )
         check_fn = _from_fsdp_policy(api, auto_wrap_policy, model)
-    elif hasattr(check_fn, "_run_policy"):  # an FSDP policy given where PyTorch's goes
-        check_fn = _from_fsdp_policy(api, check_fn, model)
     if not (isinstance(check_fn, Policy) or callable(check_fn)):
         raise CheckpointTypeError(
             f"{api}: expected a callable `check_fn(module) -> bool` or an xla_wrap.wrap policy "
