@@ -1,4 +1,4 @@
-"""Measure checkpointing on your own model, in one process: the first seed report's conv stack.
+"""Measure checkpointing on your own model, in one process: a stack of 1x1-conv blocks.
 
 Builds the 1x1-conv stack (conv, ReLU, conv, ReLU per block) twice, once plain and once with
 every block but the first wrapped by ``xla_wrap.checkpoint_wrapper``, and prints for each the

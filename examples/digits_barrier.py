@@ -1,9 +1,10 @@
-"""The second seed report's experiment, on a dataset that ships with scikit-learn.
+"""A barrier before the loss must leave training unchanged, on a dataset that ships with
+scikit-learn.
 
-The report checked that an optimization barrier does not hurt training: a CNN reached the same
-MNIST accuracy with ``optimization_barrier`` on its output as without. This trains the same
-small CNN on scikit-learn's 8x8 digits (1797 images, no download) three times on XLA:CPU, from
-the same initial weights and with the same batches:
+A torch_xla bug report checked that an optimization barrier does not hurt training: a CNN
+reached the same MNIST accuracy with ``optimization_barrier`` on its output as without. This
+trains the same small CNN on scikit-learn's 8x8 digits (1797 images, no download) three times
+on XLA:CPU, from the same initial weights and with the same batches:
 
 * plain;
 * with ``xla_wrap.optimization_barrier`` on the logits;

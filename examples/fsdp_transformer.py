@@ -92,13 +92,13 @@ def train(name: str, args: argparse.Namespace, *, checkpointed: bool) -> Run:
         SpmdFullyShardedDataParallel as FSDPv2,
     )
 
-    from xla_wrap import fsdp, introspect, wrap
+    from xla_wrap import fsdp, introspect, wrap_policies
 
     mesh = xs.Mesh(np.arange(args.devices), (args.devices, 1), ("fsdp", "model"))
     device = torch_xla.device()
     torch.manual_seed(0)
     gpt = GPT(args)
-    policy = fsdp.auto_wrap_policy(wrap.by_type(DecoderBlock), gpt)
+    policy = fsdp.auto_wrap_policy(wrap_policies.by_type(DecoderBlock), gpt)
     options = {"auto_wrapper_callable": fsdp.auto_wrapper_callable(fsdp_class=FSDPv2)}
     model = FSDPv2(gpt, mesh=mesh, auto_wrap_policy=policy, **(options if checkpointed else {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

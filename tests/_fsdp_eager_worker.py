@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import xla_wrap
-from xla_wrap import fsdp, wrap
+from xla_wrap import fsdp, wrap_policies
 
 WIDTH = 16
 BATCH = 4
@@ -93,7 +93,7 @@ def fsdp2_shard_checkpointed_blocks(net: Net, **options: Any) -> nn.Module:
 
 def fsdp2_checkpoint_after_sharding(net: Net) -> nn.Module:
     model = fsdp2_plain(net)
-    return xla_wrap.apply_activation_checkpointing(model, wrap.by_type(Block))
+    return xla_wrap.apply_activation_checkpointing(model, wrap_policies.by_type(Block))
 
 
 def fsdp2_checkpoint_sharded_blocks(net: Net) -> nn.Module:
@@ -132,22 +132,22 @@ def fsdp1(
             "use_orig_params": use_orig_params,
         }
         if order == "plain":
-            policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
+            policy = fsdp.auto_wrap_policy(wrap_policies.by_type(Block), net)
             return FSDP(net, auto_wrap_policy=policy, **options)
         if order == "checkpoint after wrapping":
-            policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
+            policy = fsdp.auto_wrap_policy(wrap_policies.by_type(Block), net)
             model = FSDP(net, auto_wrap_policy=policy, **options)
             return xla_wrap.apply_activation_checkpointing(
-                model, wrap.by_type(Block), **checkpoint_options
+                model, wrap_policies.by_type(Block), **checkpoint_options
             )
         if order == "checkpoint before wrapping":
-            xla_wrap.apply_activation_checkpointing(net, wrap.by_type(Block))
+            xla_wrap.apply_activation_checkpointing(net, wrap_policies.by_type(Block))
             # The blocks are CheckpointWrappers now, so the FSDP units are selected by that type.
-            policy = fsdp.auto_wrap_policy(wrap.by_type(xla_wrap.CheckpointWrapper), net)
+            policy = fsdp.auto_wrap_policy(wrap_policies.by_type(xla_wrap.CheckpointWrapper), net)
             return FSDP(net, auto_wrap_policy=policy, **options)
         if order == "checkpoint before wrapping, Block policy":
-            policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
-            xla_wrap.apply_activation_checkpointing(net, wrap.by_type(Block))
+            policy = fsdp.auto_wrap_policy(wrap_policies.by_type(Block), net)
+            xla_wrap.apply_activation_checkpointing(net, wrap_policies.by_type(Block))
             return FSDP(net, auto_wrap_policy=policy, **options)
         if order == "plain, ModuleWrapPolicy":
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy

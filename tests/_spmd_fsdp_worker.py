@@ -44,7 +44,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 )
 
 import xla_wrap
-from xla_wrap import fsdp, internal, introspect, wrap
+from xla_wrap import fsdp, internal, introspect, wrap_policies
 
 introspect.enable_compile_dumps()
 xr.use_spmd()  # before any XLA tensor exists
@@ -79,7 +79,7 @@ class Net(nn.Module):
 
 def _auto(unit: Callable[..., nn.Module] | None) -> Callable[[Net], nn.Module]:
     def build(net: Net) -> nn.Module:
-        policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
+        policy = fsdp.auto_wrap_policy(wrap_policies.by_type(Block), net)
         if unit is None:
             return FSDPv2(net, auto_wrap_policy=policy)
         return FSDPv2(net, auto_wrap_policy=policy, auto_wrapper_callable=unit)

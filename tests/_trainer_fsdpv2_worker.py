@@ -62,7 +62,9 @@ def run(how: str) -> dict[str, Any]:
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config)
     if how == "apply_activation_checkpointing":
-        xla_wrap.apply_activation_checkpointing(model, xla_wrap.wrap.by_type(LlamaDecoderLayer))
+        xla_wrap.apply_activation_checkpointing(
+            model, xla_wrap.wrap_policies.by_type(LlamaDecoderLayer)
+        )
     if how == "flag after install()":
         xla_hf.install()
     draw = torch.Generator().manual_seed(0)

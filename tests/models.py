@@ -95,6 +95,14 @@ def assert_same(
             torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def wrap_blocks(model: nn.Module, **options: Any) -> None:
+    """Wrap each of ``model.blocks`` with ``xla_wrap.checkpoint_wrapper(block, **options)``."""
+    import xla_wrap
+
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = xla_wrap.checkpoint_wrapper(block, **options)
+
+
 def wrapped_copy(model: nn.Module, wrap: Callable[[nn.Module], Any]) -> nn.Module:
     twin = copy.deepcopy(model)
     wrap(twin)
@@ -120,6 +128,41 @@ def tiny_gpt2(layers: int = 2, width: int = 32, **config: Any) -> nn.Module:
         **config,
     }
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings))
+
+
+def _unwrapped_class(module: nn.Module) -> type:
+    """The class a module has without xla_wrap's checkpointing (a wrapped layer is still one of
+    its list's layers)."""
+    import xla_wrap
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, xla_wrap.CheckpointWrapper))
+
+
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """The elements of the model's layer lists: the outermost ``ModuleList``s of two or more
+    modules of one class (``model.layers``, ``transformer.h``, ``encoder.block``, ...)."""
+    found: list[nn.Module] = []
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in inside):
+            continue
+        one_class = len({_unwrapped_class(layer) for layer in module.children()}) == 1
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and one_class:
+            found.extend(module)
+            inside.append(name + ".")
+    return found
+
+
+def hf_step(
+    model: nn.Module, inputs: dict[str, torch.Tensor], seed: int = 5
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """One training step of a Hugging Face model on ``inputs`` (with labels), seeded: its loss
+    and the gradients of the parameters that require them."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
 
 
 class Scores(nn.Module):

@@ -24,13 +24,9 @@ from models import (
     seed_everything,
     sync,
     train_step,
+    wrap_blocks,
     wrapped_copy,
 )
-
-
-def wrap_blocks(model: nn.Module, **options: Any) -> None:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = xla_wrap.checkpoint_wrapper(block, **options)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])

@@ -6,6 +6,7 @@ the recomputation still sits behind the barrier."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 import xla_wrap
 from xla_wrap import introspect
 
-from models import BATCH, WIDTH, Block, Stack, seed_everything, sync
+from models import BATCH, WIDTH, Block, Stack, seed_everything, sync, wrap_blocks
 
 Step = Callable[[nn.Module, torch.device], dict[str, torch.Tensor]]
 
@@ -39,16 +40,8 @@ class Blocks(nn.Module):
         return x.sin().pow(2).sum()
 
 
-def _wrap_blocks(**options: object) -> Callable[[Blocks], None]:
-    def wrap(model: Blocks) -> None:
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = xla_wrap.checkpoint_wrapper(block, **options)
-
-    return wrap
-
-
 def _nest(model: Blocks) -> None:
-    _wrap_blocks()(model)
+    wrap_blocks(model)
     model.blocks = xla_wrap.checkpoint_wrapper(model.blocks)  # a checkpoint around checkpoints
 
 
@@ -77,15 +70,17 @@ class _Scaled(nn.Module):
 
 # name -> (how to checkpoint an unwrapped model, how to make the plain model compute the same)
 ENTRY_POINTS: dict[str, tuple[Callable[[Blocks], None], Callable[[Blocks], None]]] = {
-    "checkpoint_wrapper": (_wrap_blocks(), lambda m: None),
+    "checkpoint_wrapper": (wrap_blocks, lambda m: None),
     "checkpoint": (_as_function, _blocks_scaled_half),
     "checkpoint_sequential": (_as_sequential, lambda m: None),
-    "dots_saveable": (_wrap_blocks(policy="dots_saveable"), lambda m: None),
+    "dots_saveable": (functools.partial(wrap_blocks, policy="dots_saveable"), lambda m: None),
     "save_any_names_but_these": (
-        _wrap_blocks(policy=xla_wrap.checkpoint_policies.save_any_names_but_these("x")),
+        functools.partial(
+            wrap_blocks, policy=xla_wrap.checkpoint_policies.save_any_names_but_these("x")
+        ),
         lambda m: None,
     ),
-    "offload_to_cpu": (_wrap_blocks(offload_to_cpu=True), lambda m: None),
+    "offload_to_cpu": (functools.partial(wrap_blocks, offload_to_cpu=True), lambda m: None),
     "nested": (_nest, lambda m: None),
 }
 

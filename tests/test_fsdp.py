@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import xla_wrap
-from xla_wrap import fsdp, wrap
+from xla_wrap import fsdp
+from xla_wrap import wrap_policies as wp
 
 from models import BATCH, WIDTH, Block
 
@@ -58,7 +59,7 @@ def _auto(checkpointed: bool) -> Callable[[Net, torch.device], nn.Module]:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
 
         net = net.to(device)
-        policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
+        policy = fsdp.auto_wrap_policy(wp.by_type(Block), net)
         if not checkpointed:
             return FSDP(net, auto_wrap_policy=policy)
         return FSDP(
@@ -132,7 +133,7 @@ def test_checkpointing_inside_xla_fsdp_gives_fsdp_loss_and_gradients(
 
 def test_auto_wrap_policy_answers_both_fsdp_callback_styles() -> None:
     net = Net()
-    callback = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
+    callback = fsdp.auto_wrap_policy(wp.by_type(Block), net)
     assert callback(module=net, recurse=True, unwrapped_params=10)  # torch_xla's keywords
     assert not callback(net, False, 10)  # PyTorch FSDP1's positional nonwrapped_numel
     assert callback(net.blocks[1], False, 10) and not callback(net.head, False, 10)
@@ -161,10 +162,12 @@ def test_auto_wrapper_callable_builds_fsdp_around_a_checkpoint_wrapper() -> None
 
 
 @pytest.mark.parametrize(
-    "policy", [wrap.by_param_count(1, 511), wrap.by_name("blocks.*")], ids=["size", "name"]
+    "policy",
+    [wp.by_param_count(1, 511), wp.by_name("blocks.*")],
+    ids=["size", "name"],
 )
 def test_a_policy_blind_inside_fsdp_is_refused_with_the_order_to_use(
-    reference: dict[str, tuple], policy: wrap.Policy
+    reference: dict[str, tuple], policy: wp.WrapPolicy
 ) -> None:
     # FSDP(net) with every block a unit: the parameters are flattened into the units (512
     # each) and the names prefixed with `_fsdp_wrapped_module._fpw_module.`.
@@ -173,7 +176,7 @@ def test_a_policy_blind_inside_fsdp_is_refused_with_the_order_to_use(
         xla_wrap.apply_activation_checkpointing(sharded, policy)
     assert not any(isinstance(m, xla_wrap.CheckpointWrapper) for m in sharded.modules())
     with pytest.raises(xla_wrap.CheckpointValueError, match="already contains FSDP units"):
-        fsdp.auto_wrap_policy(wrap.by_type(Block), sharded)
+        fsdp.auto_wrap_policy(wp.by_type(Block), sharded)
 
 
 # --- a checkpointed module keeps its class inside torch_xla's FSDP ---------------------------
@@ -330,7 +333,7 @@ def test_auto_wrapper_callable_makes_checkpointed_linear_units_that_train_like_f
             nn.Tanh(),
             nn.Linear(WIDTH, 1),
         ).to(xla_device)
-        policy = fsdp.auto_wrap_policy(wrap.by_type(nn.Linear), net)
+        policy = fsdp.auto_wrap_policy(wp.by_type(nn.Linear), net)
         if checkpointed:
             model = FSDP(
                 net, auto_wrap_policy=policy, auto_wrapper_callable=fsdp.auto_wrapper_callable()
@@ -382,7 +385,7 @@ def _planned_units(net: Net, device: torch.device) -> nn.Module:
     plan = xla_wrap.plan_checkpointing(net, x, budget=budget, progress=False)
     assert plan.checkpointed, "the smallest peak needs checkpointing"
     net.plan = plan  # type: ignore[assignment]  # for the test to read
-    policy = fsdp.auto_wrap_policy(wrap.by_type(Block), net)
+    policy = fsdp.auto_wrap_policy(wp.by_type(Block), net)
     return FSDP(
         net, auto_wrap_policy=policy, auto_wrapper_callable=fsdp.auto_wrapper_callable(plan=plan)
     )

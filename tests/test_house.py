@@ -1,12 +1,13 @@
-"""The house rules, read from xla_wrap's own source (nothing is imported): no circles between
-modules, no private name taken across rooms, each other library reached from its own room only,
-and no import back up a floor.
+"""The house rules, read from xla_wrap's own source (nothing is imported; docs/architecture.md
+draws the house):
 
-The package is moving from one flat folder into rooms (issue "The house"). ``ROOMS`` lists the
-rooms that exist, with their floors; a module in no room yet is its own room and has no floor.
-``KNOWN`` lists today's violations, each to be removed by the step that fixes it: the test fails
-on a new violation and on a listed one that no longer occurs, so the list stays true. Entries
-name modules, not lines, so that editing a file does not touch this list.
+* every module sits in a room (``ROOMS``) or is a face (``FACES``);
+* a room imports only rooms on lower floors, and nothing imports back up: no circles;
+* no private name is taken across rooms (``xla_wrap.internal`` re-exports them for the bench
+  and the tests, as Equinox's ``internal``);
+* each other library is reached from its own room only (``LIBRARIES``);
+* the checkpoint core asks its execution path through the switchboard (``xla_wrap._paths``),
+  never a path's room.
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ PACKAGE = ROOT / "xla_wrap"
 # Rooms by dotted prefix (the longest match at a dot boundary wins) and their floors: a room
 # imports only rooms on lower floors. Faces (floor 9) hand names on and may import each other.
 ROOMS: dict[str, int] = {
+    "xla_wrap._support": 1,
+    "xla_wrap._layouts": 1,
     "xla_wrap.checkpoint_policies": 2,
+    "xla_wrap.wrap_policies": 2,
+    "xla_wrap._paths": 3,
+    "xla_wrap._core": 4,
+    "xla_wrap._scan": 5,
+    "xla_wrap._inspect": 5,
+    "xla_wrap._plan": 6,
+    "xla_wrap._fsdp": 7,
+    "xla_wrap.integrations": 8,
     "xla_wrap.bench": 10,
 }
-FACES = {"xla_wrap"}
+FACES = {"xla_wrap", "xla_wrap.introspect", "xla_wrap.fsdp", "xla_wrap.wrap"}
 FACE_FLOOR = 9
 # The face for xla_wrap's own bench and tests, which re-exports names from private modules.
 SEMI_PUBLIC = {"xla_wrap.internal"}
@@ -35,42 +46,17 @@ SEMI_PUBLIC = {"xla_wrap.internal"}
 # Other libraries, and the modules (dotted prefixes) that may reach them: today's gateways
 # (``_xla`` for torch_xla; ``_compiled`` and ``_openxla`` for torch.compile), and the bench.
 LIBRARIES: dict[str, tuple[str, ...]] = {
-    "torch_xla": ("xla_wrap._xla", "xla_wrap.bench."),
-    "torch._dynamo": ("xla_wrap._compiled", "xla_wrap._openxla", "xla_wrap.bench."),
-    "torch._functorch": ("xla_wrap._compiled", "xla_wrap._openxla"),
-    "functorch": ("xla_wrap._compiled", "xla_wrap._openxla", "xla_wrap.bench."),
-    "torch.utils.checkpoint": ("xla_wrap._compiled", "xla_wrap._openxla", "xla_wrap.bench."),
+    "torch_xla": ("xla_wrap._paths.xla.", "xla_wrap.bench."),
+    "torch._dynamo": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),
+    "torch._functorch": ("xla_wrap._paths.compiled.",),
+    "functorch": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),
+    "torch.utils.checkpoint": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),
     "transformers": ("xla_wrap.integrations.transformers",),
     "fairscale": ("xla_wrap.bench.",),
 }
 
-# Today's violations (issue "The house" fixes each); the aim is an empty set.
-KNOWN: set[str] = {
-    "library: xla_wrap._openxla imports torch_xla",
-    "library: xla_wrap._planner imports torch_xla",
-    "library: xla_wrap._scan imports torch_xla",
-    "library: xla_wrap.introspect imports functorch",
-    "library: xla_wrap.introspect imports torch._dynamo",
-    "library: xla_wrap.introspect imports torch.utils.checkpoint",
-    "library: xla_wrap.introspect imports torch_xla",
-    "private: xla_wrap._alike takes xla_wrap._stacked._SLOT",
-    "private: xla_wrap._alike takes xla_wrap._stacked._STACKED",
-    "private: xla_wrap._alike takes xla_wrap._wrapper._INSTANCE_FORWARD",
-    "private: xla_wrap._alike takes xla_wrap._wrapper._OPTIONS",
-    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._AllNamesBut",
-    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._Both",
-    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._Named",
-    "private: xla_wrap._compiled takes xla_wrap.checkpoint_policies._OffloadDotsWithoutBatch",
-    "private: xla_wrap._offload takes xla_wrap._xla._caller_stacklevel",
-    "private: xla_wrap._planner takes xla_wrap._xla._barriers_stripped_here",
-    "private: xla_wrap._planner takes xla_wrap._xla._loaded",
-    "private: xla_wrap._scan takes xla_wrap._rng._StepBaseSeed",
-    "private: xla_wrap._scan takes xla_wrap._xla._SEED_MASK",
-    "private: xla_wrap._scan takes xla_wrap._xla._loaded",
-    "private: xla_wrap._scanned takes xla_wrap._scan._LayerStack",
-    "private: xla_wrap.integrations.transformers takes xla_wrap._checkpoint._unpartial",
-    "private: xla_wrap.introspect takes xla_wrap._xla._loaded",
-}
+# Rooms that must reach another room through its package (its switchboard), never its modules.
+THROUGH_THE_PACKAGE: dict[str, str] = {"xla_wrap._core": "xla_wrap._paths"}
 
 
 @dataclass
@@ -200,6 +186,8 @@ def violations() -> set[str]:
     found: set[str] = set()
     for module in modules.values():
         room = _room(module.name)
+        if room == module.name and room not in {*FACES, *SEMI_PUBLIC, *ROOMS}:
+            found.add(f"unplaced: {module.name} is in no room")
         for target, name in module.imports:
             library = _library(target if name is None else f"{target}.{name}") or _library(target)
             if library and not module.name.startswith(LIBRARIES[library]):
@@ -208,6 +196,9 @@ def violations() -> set[str]:
                 continue
             if target != module.name:
                 graph[module.name].add(target)
+            gate = THROUGH_THE_PACKAGE.get(room)
+            if gate and target.startswith(gate + "."):
+                found.add(f"past the switchboard: {module.name} imports {target}")
             target_room = _room(target)
             if room == target_room or (room in FACES and target_room in FACES):
                 continue
@@ -235,13 +226,13 @@ def violations() -> set[str]:
 
 def test_the_package_keeps_the_house_rules() -> None:
     found = violations()
-    assert not (found - KNOWN), "new violations:\n" + "\n".join(sorted(found - KNOWN))
-    assert not (KNOWN - found), "fixed, remove from KNOWN:\n" + "\n".join(sorted(KNOWN - found))
+    assert not found, "broken house rules:\n" + "\n".join(sorted(found))
 
 
 def test_the_reader_sees_what_it_must_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rules catch a circle, a private name across rooms, a library outside its room and
-    an import up a floor, in a package made for the purpose."""
+    """The rules catch a circle, a private name across rooms, a library outside its room, an
+    import up a floor, a module in no room and the core reaching past its switchboard, in a
+    package made for the purpose."""
     package = tmp_path / "xla_wrap"
     (package / "low").mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -250,13 +241,23 @@ def test_the_reader_sees_what_it_must_flag(tmp_path: Path, monkeypatch: pytest.M
         "from .low import _secret\nfrom . import other\nimport torch_xla\nthing = 1\n"
     )
     (package / "other.py").write_text("from . import high\n")
+    (package / "_core").mkdir()
+    (package / "_core" / "__init__.py").write_text("")
+    (package / "_core" / "engine.py").write_text("from .._paths import device_path\n")
+    (package / "_core" / "barrier.py").write_text("from .._paths.xla import lowering\n")
+    (package / "_paths" / "xla").mkdir(parents=True)
+    for init in ("_paths/__init__.py", "_paths/xla/__init__.py", "_paths/xla/lowering.py"):
+        (package / init).write_text("")
     monkeypatch.setitem(globals(), "PACKAGE", package)
-    monkeypatch.setitem(globals(), "ROOMS", {"xla_wrap.low": 1, "xla_wrap.high": 2})
+    rooms = {"xla_wrap.low": 1, "xla_wrap.high": 2, "xla_wrap._paths": 3, "xla_wrap._core": 4}
+    monkeypatch.setitem(globals(), "ROOMS", rooms)
     assert violations() == {
         "circle: xla_wrap.high <-> xla_wrap.low <-> xla_wrap.other",
         "private: xla_wrap.high takes xla_wrap.low._secret",
         "library: xla_wrap.high imports torch_xla",
         "up a floor: xla_wrap.low (1) imports xla_wrap.high (2)",
+        "unplaced: xla_wrap.other is in no room",
+        "past the switchboard: xla_wrap._core.barrier imports xla_wrap._paths.xla.lowering",
     }
 
 

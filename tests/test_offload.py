@@ -11,7 +11,6 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import internal
 
-from models import BATCH, WIDTH, Stack, assert_same, sync, train_step, wrapped_copy
+from models import BATCH, WIDTH, Stack, assert_same, sync, train_step, wrap_blocks, wrapped_copy
 
 WORKER = Path(__file__).with_name("_offload_hlo_worker.py")
 
@@ -34,16 +33,11 @@ OFFLOADS = {
 }
 
 
-def _wrap_blocks(model: nn.Module, options: dict[str, Any]) -> None:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = xla_wrap.checkpoint_wrapper(block, **options)
-
-
 @pytest.mark.parametrize("name", list(OFFLOADS))
 def test_offloading_checkpoints_give_the_unwrapped_gradients_with_dropout(name: str) -> None:
     torch.manual_seed(0)
     model = Stack()
-    twin = wrapped_copy(model, functools.partial(_wrap_blocks, options=OFFLOADS[name]))
+    twin = wrapped_copy(model, functools.partial(wrap_blocks, **OFFLOADS[name]))
     cpu = torch.device("cpu")
     assert_same(train_step(model, cpu, seed=4), train_step(twin, cpu, seed=4), cpu)
 
@@ -79,7 +73,7 @@ def test_xla_cpu_keeps_values_on_device_warns_once_and_runs_one_execution_per_st
 
     torch.manual_seed(0)
     model = Stack().to(xla_device)
-    twin = wrapped_copy(model, functools.partial(_wrap_blocks, options={"offload_to_cpu": True}))
+    twin = wrapped_copy(model, functools.partial(wrap_blocks, offload_to_cpu=True))
     expected = train_step(model, xla_device, seed=4)
     internal.forget_warnings()
     with warnings.catch_warnings(record=True) as caught:

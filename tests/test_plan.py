@@ -17,7 +17,7 @@ from torch import nn
 
 import xla_wrap
 from xla_wrap import checkpoint_policies as cp
-from xla_wrap import wrap
+from xla_wrap import wrap_policies
 from xla_wrap.bench._models import MlpBlock, TransformerBlock, build
 from xla_wrap.bench._plan import compare_plans
 from xla_wrap.internal import (
@@ -306,17 +306,17 @@ def test_bad_input_is_refused_with_what_to_do(xla_device: torch.device) -> None:
             xla_wrap.plan_checkpointing(model, xx, budget=0.5, choices=choices)
     with pytest.raises(xla_wrap.CheckpointValueError, match=api + "candidate 'blocks.0' is called"):
         xla_wrap.plan_checkpointing(model, xx, budget=0.5, progress=False)
-    with pytest.raises(xla_wrap.CheckpointTypeError, match=api + "expected an xla_wrap.wrap"):
+    with pytest.raises(xla_wrap.CheckpointTypeError, match=api + "expected a wrap policy"):
         xla_wrap.plan_checkpointing(model, xx, budget=0.5, candidates=nn.Linear)  # type: ignore[arg-type]
     stack = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4)).to(xla_device)
-    nested = wrap.by_name("0") | wrap.by_type(nn.Linear)
+    nested = wrap_policies.by_name("0") | wrap_policies.by_type(nn.Linear)
     with pytest.raises(xla_wrap.CheckpointValueError, match=api + "candidate '0.0' lies inside"):
         xla_wrap.plan_checkpointing(stack, xx, budget=0.5, candidates=nested)
     with pytest.raises(xla_wrap.CheckpointValueError, match=api + "found no repeated blocks"):
         xla_wrap.plan_checkpointing(nn.Linear(4, 4).to(xla_device), xx, budget=0.5)
     xla_wrap.checkpoint_wrapper(stack[1])
     with pytest.raises(xla_wrap.CheckpointValueError, match=api + "expected a model without"):
-        xla_wrap.plan_checkpointing(stack, xx, budget=0.5, candidates=wrap.by_name("1"))
+        xla_wrap.plan_checkpointing(stack, xx, budget=0.5, candidates=wrap_policies.by_name("1"))
 
 
 def test_a_plan_applied_to_another_model_names_the_missing_blocks() -> None:

@@ -3,6 +3,7 @@ exactly the selected values kept, proven by what the optimized HLO still compute
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import introspect
 
-from models import BATCH, WIDTH, Scores, Stack, assert_same, train_step, wrapped_copy
+from models import BATCH, WIDTH, Scores, Stack, assert_same, train_step, wrap_blocks, wrapped_copy
 
 HIDDEN = 4 * WIDTH
 
@@ -57,11 +58,6 @@ POLICIES: dict[str, tuple[Any, int]] = {
 }
 
 
-def _wrap_blocks(model: nn.Module, policy: Any) -> None:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = xla_wrap.checkpoint_wrapper(block, policy=policy)
-
-
 def _stack() -> nn.Module:
     model = Stack()
     model.blocks = nn.ModuleList(Mlp() for _ in model.blocks)
@@ -73,7 +69,7 @@ def test_every_policy_gives_the_unwrapped_gradients_with_dropout(name: str) -> N
     policy, _ = POLICIES[name]
     torch.manual_seed(0)
     model = _stack()
-    twin = wrapped_copy(model, lambda m: _wrap_blocks(m, policy))
+    twin = wrapped_copy(model, functools.partial(wrap_blocks, policy=policy))
     cpu = torch.device("cpu")
     assert_same(train_step(model, cpu, seed=3), train_step(twin, cpu, seed=3), cpu)
 

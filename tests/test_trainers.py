@@ -293,7 +293,7 @@ def _accelerate_run(accelerate: Any, checkpointing: bool) -> tuple[list[float], 
     torch.manual_seed(0)
     model = nn.Sequential(*(_Residual() for _ in range(6)), nn.Linear(64, 1))
     if checkpointing:
-        xla_wrap.apply_activation_checkpointing(model, xla_wrap.wrap.by_type(_Residual))
+        xla_wrap.apply_activation_checkpointing(model, xla_wrap.wrap_policies.by_type(_Residual))
     accelerator = accelerate.Accelerator()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert accelerator.device.type == "xla"
@@ -362,7 +362,9 @@ def _lightning_run(checkpointing: bool) -> tuple[list[float], int]:
             super().__init__()
             self.net = nn.Sequential(*(_Residual() for _ in range(6)), nn.Linear(64, 1))
             if checkpointing:
-                xla_wrap.apply_activation_checkpointing(self.net, xla_wrap.wrap.by_type(_Residual))
+                xla_wrap.apply_activation_checkpointing(
+                    self.net, xla_wrap.wrap_policies.by_type(_Residual)
+                )
             self.losses: list[torch.Tensor] = []
 
         def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:

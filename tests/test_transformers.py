@@ -17,7 +17,7 @@ from torch import nn
 import xla_wrap
 from xla_wrap import internal
 
-from models import tiny_gpt2
+from models import hf_step, layers_of, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
@@ -46,18 +46,13 @@ def gpt2(layers: int = 2, width: int = 32) -> nn.Module:
 MODELS = [pytest.param(llama, id="llama"), pytest.param(gpt2, id="gpt2")]
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
-    inner = model.model.layers if hasattr(model, "model") else model.transformer.h
-    return list(inner)
-
-
 def _record_calls(model: nn.Module) -> list[list[bool]]:
     """Per layer, whether each call of its MLP was a recomputation. transformers checkpoints a
     layer's ``forward``, inside its hooks, so the MLP inside it is what runs again; a pre-hook,
     because on eager devices the recomputation stops inside the MLP, once the last tensor the
     layer saved for backward exists."""
     calls: list[list[bool]] = []
-    for layer in _layers(model):
+    for layer in layers_of(model):
         record: list[bool] = []
         calls.append(record)
         layer.mlp.register_forward_pre_hook(
@@ -66,12 +61,8 @@ def _record_calls(model: nn.Module) -> list[list[bool]]:
     return calls
 
 
-def _step(model: nn.Module, ids: torch.Tensor, seed: int = 5) -> tuple[torch.Tensor, list]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad for p in model.parameters()]
+def _labelled(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": ids, "labels": ids}
 
 
 def _ids(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -90,8 +81,8 @@ def _plain(make: Callable[[], nn.Module]) -> nn.Module:
 
 def _assert_trains_bitwise_alike(plain: nn.Module, twin: nn.Module) -> None:
     ids = _ids()
-    plain_loss, plain_grads = _step(plain, ids)
-    loss, grads = _step(twin, ids)
+    plain_loss, plain_grads = hf_step(plain, _labelled(ids))
+    loss, grads = hf_step(twin, _labelled(ids))
     assert torch.equal(loss, plain_loss)
     assert len(grads) == len(plain_grads) and all(g is not None for g in grads)
     for got, expected in zip(grads, plain_grads, strict=True):
@@ -117,13 +108,13 @@ def test_every_n_layers_and_disable() -> None:
     xla_hf.gradient_checkpointing_enable(model, every_n_layers=2, preserve_rng_state=True)
     assert model.config.use_cache is False
     calls = _record_calls(model)
-    _step(model, _ids())
+    hf_step(model, _labelled(_ids()))
     assert calls == [[False, True], [False], [False, True], [False]]
     xla_hf.gradient_checkpointing_disable(model)
     assert model.config.use_cache is True
     for record in calls:
         record.clear()
-    _step(model, _ids())
+    hf_step(model, _labelled(_ids()))
     assert calls == [[False]] * 4
 
 
@@ -162,7 +153,7 @@ def test_transformers_on_xla_same_training_and_lower_peak(
         barriers = re.findall(r"= \((.*?)\) opt-barrier\(", program.optimized_hlo)
     # transformers hands over `partial(Layer.forward, layer, ...)`: the layer is found from it,
     # and its weights go through the barrier with the saved inputs.
-    weight = "f32[{},{}]".format(*next(_layers(twin)[0].mlp.parameters()).shape)
+    weight = "f32[{},{}]".format(*next(layers_of(twin)[0].mlp.parameters()).shape)
     assert any(weight in operands for operands in barriers), (weight, barriers[:1])
     (plain_loss, plain_grads, plain_peak), (loss, grads, peak) = results
     assert loss == pytest.approx(plain_loss, rel=1e-5)
@@ -254,7 +245,7 @@ def test_scanned_transformers_layers_give_the_loops_loss_and_gradients(
     runs = []
     for model in (plain, twin):
         model.to(xla_device)
-        loss, _ = _step(model, _ids(xla_device))
+        loss, _ = hf_step(model, _labelled(_ids(xla_device)))
         grads = list(internal.per_layer_gradients(model).values())
         torch_xla.sync()
         runs.append((loss.cpu(), [g.cpu() for g in grads]))
@@ -315,7 +306,7 @@ def test_every_n_layers_is_the_plan_that_fully_recomputes_every_nth_layer() -> N
     )  # fmt: skip
     xla_hf.gradient_checkpointing_enable(model, plan=plan)
     calls = _record_calls(model)
-    _step(model, _ids())
+    hf_step(model, _labelled(_ids()))
     assert calls == [[False, True], [False], [False, True], [False]]  # as every_n_layers=2
 
 
@@ -335,4 +326,4 @@ def test_scan_refuses_gpt2_when_its_attention_scales_by_the_layer_index(
     ours, theirs = (f"{v:.9f}"[:7] for v in (head_scale, head_scale / 2))  # 5 digits, unrounded
     expected = rf"layer 1's 'attn.scaling' = {theirs}\d* where layer 0 has {ours}"
     with pytest.raises(xla_wrap.CheckpointError, match=expected):
-        _step(model, _ids(device))
+        hf_step(model, _labelled(_ids(device)))

@@ -9,8 +9,8 @@ train mode, with every dropout probability of its config set to 0.1. It checks i
 
 * transformers' own hook, :func:`xla_wrap.integrations.transformers.gradient_checkpointing_enable`,
   which checkpoints the ``forward`` of each ``GradientCheckpointingLayer``;
-* by class, ``apply_activation_checkpointing(model, wrap.by_type(Layer))``, which puts each layer
-  of the model's layer lists (checkpointed in place: it stays a ``Layer``).
+* by class, ``apply_activation_checkpointing(model, wrap_policies.by_type(Layer))``, which puts
+  each layer of the model's layer lists (checkpointed in place: it stays a ``Layer``).
 
 Each test also asserts that every layer was recomputed in backward (a forward hook on the
 layer's submodules reads :func:`xla_wrap.is_recomputing`), so it cannot pass by checkpointing
@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 import xla_wrap
+
+from models import hf_step, layers_of
 
 transformers = pytest.importorskip("transformers")
 xla_hf = pytest.importorskip("xla_wrap.integrations.transformers")
@@ -267,16 +269,6 @@ def _inputs(arch: Arch, model: nn.Module) -> dict[str, torch.Tensor]:
     return {"input_features": features, "labels": labels}
 
 
-def _step(
-    model: nn.Module, inputs: dict[str, torch.Tensor], seed: int = SEED
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = model(**inputs).loss
-    loss.backward()
-    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> Iterator[None]:
     """One intra-op thread for these tiny models: on a busy machine each parallel op otherwise
@@ -309,25 +301,10 @@ def reference(request: pytest.FixtureRequest) -> Reference:
     with torch.no_grad():  # Dropout is really on: another seed, another loss
         torch.manual_seed(SEED + 1)
         other = model(**inputs).loss
-    loss, grads = _step(model, inputs)
+    loss, grads = hf_step(model, inputs)
     assert not torch.equal(loss, other)
     assert all(g is not None for g in grads)
     return Reference(model, inputs, loss, grads, arch.layers, request.param)
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    """The elements of the model's layer lists: the outermost ``ModuleList``s of two or more
-    modules of one class (``model.layers``, ``transformer.h``, ``encoder.block``, ...)."""
-    found: list[nn.Module] = []
-    inside: list[str] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix) for prefix in inside):
-            continue
-        one_class = len({type(layer) for layer in module.children()}) == 1
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and one_class:
-            found.extend(module)
-            inside.append(name + ".")
-    return found
 
 
 def _record_calls(layers: list[nn.Module]) -> list[list[tuple[str, bool]]]:
@@ -358,7 +335,7 @@ def _assert_each_layer_recomputed(calls: list[list[tuple[str, bool]]], layers: i
 
 
 def _assert_trains_bitwise_alike(reference: Reference, twin: nn.Module) -> None:
-    loss, grads = _step(twin, reference.inputs)
+    loss, grads = hf_step(twin, reference.inputs)
     assert torch.equal(loss, reference.loss)
     assert len(grads) == len(reference.grads)
     for got, expected in zip(grads, reference.grads, strict=True):
@@ -369,7 +346,7 @@ def _assert_trains_bitwise_alike(reference: Reference, twin: nn.Module) -> None:
 def test_gradient_checkpointing_enable_is_bitwise(reference: Reference) -> None:
     twin = copy.deepcopy(reference.model)
     xla_hf.gradient_checkpointing_enable(twin)
-    layers = _layers(twin)
+    layers = layers_of(twin)
     checkpointed = [
         m
         for m in twin.modules()
@@ -383,10 +360,10 @@ def test_gradient_checkpointing_enable_is_bitwise(reference: Reference) -> None:
 
 def test_apply_activation_checkpointing_by_type_is_bitwise(reference: Reference) -> None:
     twin = copy.deepcopy(reference.model)
-    layers = _layers(twin)
+    layers = layers_of(twin)
     calls = _record_calls(layers)
     classes = {type(layer) for layer in layers}
-    xla_wrap.apply_activation_checkpointing(twin, xla_wrap.wrap.by_type(*classes))
+    xla_wrap.apply_activation_checkpointing(twin, xla_wrap.wrap_policies.by_type(*classes))
     wrappers = [m for m in twin.modules() if isinstance(m, xla_wrap.CheckpointWrapper)]
     assert len(wrappers) == len(layers)
     # Code that finds layers by class, or by class name (transformers' FSDP wrapping), still
@@ -424,12 +401,12 @@ def test_scanned_with_stacked_parameters_is_bitwise_or_refused(reference: Refere
     if reference.name in _NOT_SCANNED:
         with pytest.raises(_NOT_SCANNED[reference.name]):
             xla_hf.gradient_checkpointing_enable(twin, scan=True, stack_parameters=True)
-            _step(twin, reference.inputs)
+            hf_step(twin, reference.inputs)
         return
     xla_hf.gradient_checkpointing_enable(twin, scan=True, stack_parameters=True)
     assert any(getattr(m, "parameters_stacked", False) for m in twin.modules())
     assert list(twin.state_dict()) == list(reference.model.state_dict())
-    loss, _ = _step(twin, reference.inputs)
+    loss, _ = hf_step(twin, reference.inputs)
     assert torch.equal(loss, reference.loss)
     expected = internal.per_layer_gradients(reference.model)
     got = internal.per_layer_gradients(twin)

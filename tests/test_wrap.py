@@ -1,4 +1,4 @@
-"""Auto-wrap policies (xla_wrap.wrap) on random module trees, against an independent oracle."""
+"""Wrap policies (xla_wrap.wrap_policies) on random module trees, against an independent oracle."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import xla_wrap
-from xla_wrap import wrap
+from xla_wrap import wrap_policies as wp
 
 
 class Alpha(nn.Module):
@@ -98,18 +98,18 @@ def oracle(rule: Any, model: nn.Module) -> list[int]:
     return [id(m) for _, m in order if id(m) in set(left) | set(right)]
 
 
-def policy_of(rule: Any) -> wrap.Policy:
+def policy_of(rule: Any) -> wp.WrapPolicy:
     kind = rule[0]
     if kind == "type":
-        return wrap.by_type({CLASSES[name] for name in rule[1]})
+        return wp.by_type({CLASSES[name] for name in rule[1]})
     if kind == "size":
-        return wrap.by_param_count(rule[1], rule[2])
+        return wp.by_param_count(rule[1], rule[2])
     if kind == "name":
-        return wrap.by_name(rule[1])
+        return wp.by_name(rule[1])
     if kind == "predicate":
-        return wrap.by_predicate(lambda m: "weight" in m._parameters)
+        return wp.by_predicate(lambda m: "weight" in m._parameters)
     if kind == "nth":
-        return wrap.every_nth(policy_of(rule[1]), rule[2], offset=rule[3])
+        return wp.every_nth(policy_of(rule[1]), rule[2], offset=rule[3])
     if kind == "and":
         return policy_of(rule[1]) & policy_of(rule[2])
     return policy_of(rule[1]) | policy_of(rule[2])
@@ -166,7 +166,7 @@ def test_policy_wraps_exactly_the_selection_once_and_never_the_root(
 
 def test_every_nth_is_the_memory_speed_dial() -> None:
     model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(6)))
-    policy = wrap.every_nth(wrap.by_type(nn.Linear), 3, offset=1)
+    policy = wp.every_nth(wp.by_type(nn.Linear), 3, offset=1)
     assert [name for name, _ in policy.select(model)] == ["1.0", "4.0"]
     xla_wrap.apply_activation_checkpointing(model, policy)
     assert [isinstance(model[i][0], xla_wrap.CheckpointWrapper) for i in range(6)] == [
@@ -183,25 +183,52 @@ def test_every_nth_is_the_memory_speed_dial() -> None:
 
 
 def test_policy_reprs_say_what_they_select() -> None:
-    policy = wrap.every_nth(wrap.by_type(nn.Linear), 2) & wrap.by_name("layers.*")
+    policy = wp.every_nth(wp.by_type(nn.Linear), 2) & wp.by_name("layers.*")
     assert repr(policy) == "(every_nth(by_type(Linear), 2, offset=0) & by_name('layers.*'))"
 
 
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
-        (lambda: wrap.by_type("Linear"), TypeError, "expected module classes"),
-        (lambda: wrap.by_type(), ValueError, "at least one module class"),
-        (lambda: wrap.by_param_count(-1), ValueError, "non-negative int"),
-        (lambda: wrap.by_name(), TypeError, "patterns as strings"),
-        (lambda: wrap.by_predicate(3), TypeError, "expected a callable"),
-        (lambda: wrap.every_nth(wrap.by_name("*"), 0), ValueError, "positive int"),
-        (lambda: wrap.every_nth(wrap.by_name("*"), 2, offset=2), ValueError, "offset"),
-        (lambda: wrap.every_nth(lambda m: True, 2), TypeError, "expected a Policy"),
-        (lambda: wrap.by_name("*") & (lambda m: True), TypeError, "expected a Policy for `&`"),
+        (lambda: wp.by_type("Linear"), TypeError, "expected module classes"),
+        (lambda: wp.by_type(), ValueError, "at least one module class"),
+        (lambda: wp.by_param_count(-1), ValueError, "non-negative int"),
+        (lambda: wp.by_name(), TypeError, "patterns as strings"),
+        (lambda: wp.by_predicate(3), TypeError, "expected a callable"),
+        (
+            lambda: wp.every_nth(wp.by_name("*"), 0),
+            ValueError,
+            "positive int",
+        ),
+        (
+            lambda: wp.every_nth(wp.by_name("*"), 2, offset=2),
+            ValueError,
+            "offset",
+        ),
+        (lambda: wp.every_nth(lambda m: True, 2), TypeError, "expected a WrapPolicy"),
+        (
+            lambda: wp.by_name("*") & (lambda m: True),
+            TypeError,
+            "expected a WrapPolicy for `&`",
+        ),
     ],
 )
 def test_bad_policy_arguments_get_clear_errors(make: Any, error: type, message: str) -> None:
     with pytest.raises(error, match=message) as info:
         make()
     assert str(info.value).startswith("xla_wrap.wrap")
+
+
+def test_the_old_module_name_warns_and_selects_the_same_modules() -> None:
+    """``xla_wrap.wrap`` (read as the inverse of ``unwrap``, which it is not) still works for
+    code written against it, with a DeprecationWarning that names the new module."""
+    from xla_wrap import wrap
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.warns(DeprecationWarning, match="xla_wrap.wrap_policies.by_type"):
+        old = wrap.by_type(nn.Linear)
+    assert old.select(model) == wp.by_type(nn.Linear).select(model)
+    with pytest.warns(DeprecationWarning):
+        assert wrap.Policy is wp.WrapPolicy
+    with pytest.raises(AttributeError):
+        wrap.no_such_policy  # noqa: B018

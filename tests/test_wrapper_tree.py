@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import xla_wrap
-from xla_wrap import wrap
+from xla_wrap import wrap_policies as wp
 
 from models import BATCH, WIDTH, Block, Stack
 
@@ -59,7 +59,7 @@ def test_modules_yield_the_wrapped_blocks_as_blocks_that_are_still_recomputed(
     torch.manual_seed(0)
     model = Stack()
     plain = copy.deepcopy(model)
-    check_fn = wrap.by_type(Block) if select == "policy" else lambda m: isinstance(m, Block)
+    check_fn = wp.by_type(Block) if select == "policy" else lambda m: isinstance(m, Block)
     xla_wrap.apply_activation_checkpointing(model, check_fn)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     assert sum(isinstance(m, Block) for m in model.modules()) == len(model.blocks) == 3
@@ -134,7 +134,7 @@ def test_pytorch_apply_activation_checkpointing_pattern_counts_every_linear(sele
     torch.manual_seed(0)
     model = MyModel()
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
-    check_fn = wrap.by_type(nn.Linear) if select == "policy" else lambda m: isinstance(m, nn.Linear)
+    check_fn = wp.by_type(nn.Linear) if select == "policy" else lambda m: isinstance(m, nn.Linear)
     xla_wrap.apply_activation_checkpointing(model, check_fn)
     n_linear_wrapped = sum(isinstance(m, nn.Linear) for m in model.modules())
     n_checkpointed = sum(isinstance(m, xla_wrap.CheckpointWrapper) for m in model.modules())

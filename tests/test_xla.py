@@ -15,14 +15,18 @@ from torch import nn
 import xla_wrap
 from xla_wrap import introspect
 
-from models import BATCH, WIDTH, Block, Stack, seed_everything, train_step, wrapped_copy
+from models import (
+    BATCH,
+    WIDTH,
+    Block,
+    Stack,
+    seed_everything,
+    train_step,
+    wrap_blocks,
+    wrapped_copy,
+)
 
 pytestmark = pytest.mark.xla
-
-
-def wrap_blocks(model: nn.Module) -> None:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = xla_wrap.checkpoint_wrapper(block)
 
 
 def _barrier_operand_types(hlo: str) -> list[str]:
@@ -81,13 +85,11 @@ def test_the_step_base_seed_is_read_from_the_device_only_when_the_chain_breaks(
     reseeds, with the random stream still the unwrapped model's."""
     import torch_xla.core.xla_model as xm
 
-    from xla_wrap.internal import xla_gateway
+    from xla_wrap.internal import xla_rng
 
     reads = []
-    read = xla_gateway.base_seed
-    monkeypatch.setattr(
-        xla_gateway, "base_seed", lambda device: reads.append(device) or read(device)
-    )
+    read = xla_rng.base_seed
+    monkeypatch.setattr(xla_rng, "base_seed", lambda device: reads.append(device) or read(device))
 
     def steps_with_a_reseed(m: nn.Module) -> list[dict]:
         steps = [train_step(m, xla_device, seed=None) for _ in range(3)]
@@ -160,7 +162,8 @@ def test_backward_barrier_ties_inputs_gradients_and_parameters(
 def test_optimization_barrier_before_the_loss_leaves_training_unchanged(
     xla_device: torch.device,
 ) -> None:
-    """The second seed report: `out, = xm.optimization_barrier([out])` stopped all gradients."""
+    """torch_xla's own `out, = xm.optimization_barrier([out])` stops all gradients; ours does not
+    (examples/digits_barrier.py trains through it)."""
     import torch_xla
 
     def train(use_barrier: bool) -> tuple[list[torch.Tensor], int]:
@@ -229,7 +232,8 @@ def test_xla_fsdp_checkpoint_status_is_set_only_while_recomputing(
 
 
 class ConvStack(nn.Module):
-    """The first seed report's model, scaled down: 1x1-conv blocks (conv, ReLU, conv, ReLU)."""
+    """The conv stack of docs/benchmarks.md, scaled down: 1x1-conv blocks (conv, ReLU, conv,
+    ReLU)."""
 
     def __init__(self, blocks: int, channels: int) -> None:
         super().__init__()

@@ -12,32 +12,50 @@ from . import checkpoint_policies as checkpoint_policies
 from . import fsdp as fsdp
 from . import introspect as introspect
 from . import wrap as wrap
-from ._apply import apply_activation_checkpointing as apply_activation_checkpointing
-from ._barrier import optimization_barrier as optimization_barrier
-from ._checkpoint import checkpoint as checkpoint
-from ._checkpoint import checkpoint_sequential as checkpoint_sequential
-from ._errors import BarriersStrippedWarning as BarriersStrippedWarning
-from ._errors import BudgetUnreachableError as BudgetUnreachableError
-from ._errors import CheckpointError as CheckpointError
-from ._errors import CheckpointTypeError as CheckpointTypeError
-from ._errors import CheckpointValueError as CheckpointValueError
-from ._errors import XlaWrapError as XlaWrapError
-from ._openxla import openxla_backend as openxla_backend
-from ._options import CheckpointOptions as CheckpointOptions
-from ._plan import CheckpointPlan as CheckpointPlan
-from ._planner import plan_checkpointing as plan_checkpointing
-from ._scan import scan_layers as scan_layers
-from ._scanned import ScannedLayers as ScannedLayers
-from ._scanned import apply_scan as apply_scan
-from ._scanned import unscan as unscan
-from ._selective import checkpoint_name as checkpoint_name
-from ._state import disable_checkpointing as disable_checkpointing
-from ._state import is_recomputing as is_recomputing
-from ._wrapper import CheckpointWrapper as CheckpointWrapper
-from ._wrapper import checkpoint_wrapper as checkpoint_wrapper
-from ._wrapper import unwrap as unwrap
+from . import wrap_policies as wrap_policies
+from ._core.apply import apply_activation_checkpointing as apply_activation_checkpointing
+from ._core.barrier import optimization_barrier as optimization_barrier
+from ._core.checkpoint import checkpoint as checkpoint
+from ._core.checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._core.options import CheckpointOptions as CheckpointOptions
+from ._core.selective import checkpoint_name as checkpoint_name
+from ._core.wrapper import CheckpointWrapper as CheckpointWrapper
+from ._core.wrapper import checkpoint_wrapper as checkpoint_wrapper
+from ._core.wrapper import unwrap as unwrap
+from ._paths.compiled.openxla import openxla_backend as openxla_backend
+from ._plan.plan import CheckpointPlan as CheckpointPlan
+from ._plan.planner import plan_checkpointing as plan_checkpointing
+from ._scan.loops import scan_layers as scan_layers
+from ._scan.module_list import ScannedLayers as ScannedLayers
+from ._scan.module_list import apply_scan as apply_scan
+from ._scan.module_list import unscan as unscan
+from ._support.errors import BarriersStrippedWarning as BarriersStrippedWarning
+from ._support.errors import BudgetUnreachableError as BudgetUnreachableError
+from ._support.errors import CheckpointError as CheckpointError
+from ._support.errors import CheckpointTypeError as CheckpointTypeError
+from ._support.errors import CheckpointValueError as CheckpointValueError
+from ._support.errors import XlaWrapError as XlaWrapError
+from ._support.state import disable_checkpointing as disable_checkpointing
+from ._support.state import is_recomputing as is_recomputing
 
 __version__ = "0.1.0"
+
+# Public classes name the public module: reprs, tracebacks and pickles then say
+# `xla_wrap.CheckpointError`, wherever the class lives inside the package.
+for _public in (
+    BarriersStrippedWarning,
+    BudgetUnreachableError,
+    CheckpointError,
+    CheckpointOptions,
+    CheckpointPlan,
+    CheckpointTypeError,
+    CheckpointValueError,
+    CheckpointWrapper,
+    ScannedLayers,
+    XlaWrapError,
+):
+    _public.__module__ = __name__
+del _public
 
 __all__ = [
     "BarriersStrippedWarning",

@@ -46,3 +46,7 @@ def names_without_wrappers(model: nn.Module) -> dict[str, nn.Module]:
             parent = child
         names.setdefault(".".join(kept), module)
     return names
+
+
+# transformers: plain attributes that differ per layer by construction and only index a cache.
+LAYER_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})

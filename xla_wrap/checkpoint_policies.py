@@ -30,8 +30,9 @@ import difflib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ._errors import CheckpointTypeError, CheckpointValueError, describe
+from ._support.errors import CheckpointTypeError, CheckpointValueError, describe
 
 __all__ = [
     "DOT_FUNCTIONS",
@@ -302,3 +303,31 @@ _BY_NAME: dict[str, SavePolicy] = {
     "dots_saveable": dots_saveable,
     "dots_with_no_batch_dims_saveable": dots_with_no_batch_dims_saveable,
 }
+
+
+def to_constants(policy: SavePolicy) -> Any:
+    """``policy`` as a tree of constants (its function, or the names it keeps), which Dynamo can
+    hold in a compiled graph; :func:`from_constants` makes the policy again."""
+    if isinstance(policy, _Named):
+        return ("names", tuple(sorted(policy.saved)), tuple(sorted(policy.offloaded)))
+    if isinstance(policy, _Both):
+        return ("both", to_constants(policy.first), to_constants(policy.second))
+    if isinstance(policy, _AllNamesBut):
+        return ("all_but", tuple(sorted(policy.excluded)))
+    if isinstance(policy, _OffloadDotsWithoutBatch):
+        return ("offload_dots",)
+    return ("function", policy)
+
+
+def from_constants(spec: Any) -> SavePolicy:
+    """The policy :func:`to_constants` described."""
+    if spec[0] == "names":
+        return _Named(saved=frozenset(spec[1]), offloaded=frozenset(spec[2]))
+    if spec[0] == "both":
+        return _Both(from_constants(spec[1]), from_constants(spec[2]))
+    if spec[0] == "all_but":
+        return _AllNamesBut(frozenset(spec[1]))
+    if spec[0] == "offload_dots":
+        return _OffloadDotsWithoutBatch()
+    policy: SavePolicy = spec[1]
+    return policy

@@ -2,11 +2,11 @@
 
 FSDP's ``auto_wrap_policy`` decides which submodules become sharded units, and its
 ``auto_wrapper_callable`` builds each unit. These helpers make every unit
-``FSDP(checkpoint_wrapper(block))`` from an :mod:`xla_wrap.wrap` policy, without a lambda:
+``FSDP(checkpoint_wrapper(block))`` from an :mod:`xla_wrap.wrap_policies` policy, without a lambda:
 
     >>> from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
-    >>> from xla_wrap import fsdp, wrap
-    >>> policy = wrap.by_type(DecoderLayer)                                      # doctest: +SKIP
+    >>> from xla_wrap import fsdp, wrap_policies
+    >>> policy = wrap_policies.by_type(DecoderLayer)                             # doctest: +SKIP
     >>> model = FSDP(model, auto_wrap_policy=fsdp.auto_wrap_policy(policy, model),
     ...              auto_wrapper_callable=fsdp.auto_wrapper_callable())         # doctest: +SKIP
 
@@ -16,212 +16,14 @@ with torch_xla's FSDP and FSDPv2 and with PyTorch's FSDP1 and FSDP2; docs/fsdp.m
 nesting order to choose.
 
 The core of xla_wrap knows nothing about FSDP or SPMD: what they need from a checkpoint comes
-from the hooks this module installs at import (:mod:`xla_wrap._hooks`), which refuse
-checkpointing around an eager FSDP unit and keep SPMD shardings across the barrier.
+from the hooks installed at import (xla_wrap/_fsdp/units.py, through xla_wrap/_core/hooks.py),
+which refuse checkpointing around an eager FSDP unit and keep SPMD shardings across the barrier.
 """
 
-from __future__ import annotations
-
-import sys
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
-from torch import nn
-
-from . import _hooks, _xla
-from ._errors import CheckpointTypeError, CheckpointValueError, describe
-from ._layouts import is_fsdp_unit as is_unit
-from ._options import options_from
-from ._plan import CheckpointPlan
-from ._recompute import ForwardRecord
-from ._tree import Flat
-from ._wrapper import checkpoint_wrapper
-from .wrap import Policy
+from ._fsdp.units import auto_wrap_policy as auto_wrap_policy
+from ._fsdp.units import auto_wrapper_callable as auto_wrapper_callable
+from ._fsdp.units import format_units as format_units
+from ._fsdp.units import fsdp_units as fsdp_units
+from ._fsdp.units import is_unit as is_unit
 
 __all__ = ["auto_wrap_policy", "auto_wrapper_callable", "fsdp_units"]
-
-
-def auto_wrap_policy(policy: Policy, model: nn.Module) -> Callable[..., bool]:
-    """FSDP's ``auto_wrap_policy`` callback for the submodules ``policy`` selects in ``model``.
-
-    Works with torch_xla's FSDP (``module=, recurse=, unwrapped_params=``) and PyTorch's FSDP1
-    (``module, recurse, nonwrapped_numel``): FSDP recurses everywhere, and wraps exactly the
-    selected modules. The selection is made on ``model`` as it is now, before FSDP wraps
-    anything, so pass the model you are about to give FSDP.
-    """
-    units = fsdp_units(model)
-    if units:
-        raise CheckpointValueError(
-            "xla_wrap.fsdp.auto_wrap_policy: expected the model before FSDP wraps it, got one "
-            f"that already contains FSDP units (at {format_units(units)}). Build the policy "
-            "from the unwrapped model and hand that model to FSDP with it."
-        )
-    chosen = {id(module) for _, module in policy.select(model)}
-
-    def callback(module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
-        return True if recurse else id(module) in chosen
-
-    return callback
-
-
-def auto_wrapper_callable(
-    *, fsdp_class: type | None = None, plan: CheckpointPlan | None = None, **checkpoint_options: Any
-) -> Callable[..., nn.Module]:
-    """FSDP's ``auto_wrapper_callable``: build each unit as ``FSDP(checkpoint_wrapper(m))``.
-
-    Args:
-        fsdp_class: The FSDP class; torch_xla's ``XlaFullyShardedDataParallel`` if omitted.
-        plan: A :class:`xla_wrap.CheckpointPlan` made on the model about to be wrapped: each
-            unit is checkpointed as the plan chose for its module (or not at all), in place of
-            one set of options for all.
-        **checkpoint_options: Options for :func:`xla_wrap.checkpoint_wrapper`.
-    """
-    api = "xla_wrap.fsdp.auto_wrapper_callable"
-    options = options_from(api, checkpoint_options)  # fail early
-    if plan is not None and (checkpoint_options or not isinstance(plan, CheckpointPlan)):
-        raise CheckpointTypeError(
-            f"{api}: expected a CheckpointPlan as `plan` and no other checkpoint options (the "
-            f"plan chooses them per unit), got plan={describe(plan)} and "
-            f"{sorted(checkpoint_options)}. Pass one or the other."
-        )
-    fsdp = fsdp_class or _xla.xla_fsdp_class()
-
-    def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        chosen = options if plan is None else plan.options_of(module)
-        if chosen is None:  # the plan keeps this unit's activations
-            unit: nn.Module = fsdp(module, *args, **kwargs)
-            return unit
-        unit = fsdp(checkpoint_wrapper(module, **chosen.as_keywords()), *args, **kwargs)
-        # SPMD FSDP shards the unit's output after the checkpoint returned it; the checkpoint's
-        # backward must shard the gradient the same way (see _record_output_sharding).
-        unit.register_forward_hook(_record_output_shardings)
-        return unit
-
-    return build
-
-
-def fsdp_units(model: nn.Module) -> list[str]:
-    """Qualified names of the FSDP units in ``model`` ("" for the model itself)."""
-    return [name for name, module in model.named_modules() if is_unit(module)]
-
-
-def format_units(units: list[str]) -> str:
-    """The first few unit names for a message."""
-    shown = ", ".join(repr(name or "<root>") for name in units[:3])
-    return shown + (f" and {len(units) - 3} more" if len(units) > 3 else "")
-
-
-def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
-    for tensor in Flat.of(output).tensors:
-        _record_output_sharding(tensor)
-
-
-class _EagerFsdpUnits(_hooks.CheckpointHook):
-    """Refuse what cannot work with FSDP units already in the model."""
-
-    def check_module(self, api: str, module: nn.Module) -> None:
-        """Refuse to checkpoint a unit of PyTorch's FSDP1.
-
-        FSDP1's unit is a wrapper whose forward gathers and frees the parameters and
-        registers backward hooks; recomputed in backward, it would run that forward again
-        where FSDP1's state machine expects a backward. FSDP2's ``fully_shard`` keeps its
-        hooks on the module itself, so they run around the checkpoint, as they do for
-        ``fully_shard(checkpoint_wrapper(block))``; torch_xla's FSDP expects checkpoints
-        around its units (docs/fsdp.md).
-        """
-        eager_fsdp = sys.modules.get("torch.distributed.fsdp")
-        if eager_fsdp is None:
-            return
-        fsdp1 = getattr(eager_fsdp, "FullyShardedDataParallel", None)
-        if isinstance(fsdp1, type) and isinstance(module, fsdp1):
-            raise CheckpointTypeError(
-                f"{api}: expected a module that FSDP has not wrapped, got "
-                f"{type(module).__name__}, which is a unit of PyTorch's FSDP1. Checkpoint inside "
-                "each unit instead: checkpoint the blocks before `FullyShardedDataParallel` "
-                "wraps them, or apply_activation_checkpointing to the FSDP1-wrapped model with "
-                "a policy that selects the blocks (docs/fsdp.md)."
-            )
-
-    def check_selection(
-        self, api: str, policy: object, model: nn.Module, selected: Sequence[nn.Module]
-    ) -> None:
-        """Refuse a policy that selects nothing in a model FSDP has wrapped: FSDP flattened
-        and renamed what the policy looks for."""
-        units = [] if selected else fsdp_units(model)
-        if units:
-            raise CheckpointValueError(
-                f"{api}: the policy {policy!r} selects nothing in a model that FSDP has "
-                f"already wrapped (units at {format_units(units)}). FSDP flattens parameters "
-                "and renames submodules, which hides them from rules on size and names. "
-                "Checkpoint first, then shard: call apply_activation_checkpointing on the model "
-                "before FSDP wraps it, or let FSDP build each unit as "
-                "FSDP(checkpoint_wrapper(block)) with `auto_wrap_policy=xla_wrap.fsdp."
-                "auto_wrap_policy(policy, model), auto_wrapper_callable=xla_wrap.fsdp."
-                "auto_wrapper_callable()` (docs/fsdp.md)."
-            )
-
-
-class _SpmdOutputSharding(_hooks.CheckpointHook):
-    """Keep each output's SPMD sharding on its gradient across the barrier.
-
-    XLA's sharding propagation does not pass through an optimization barrier, so a barriered
-    gradient carries no sharding, and the partitioner then replicates the recomputation and
-    gathers its activations in full. Each gradient therefore gets the sharding of its output:
-    found on the recomputed output, recorded on the forward's output, or given to the output
-    only after the checkpoint returned it (FSDPv2 annotates a unit's output then; the units
-    :func:`auto_wrapper_callable` builds report it through :func:`_record_output_sharding`).
-    """
-
-    def on_forward(self, outputs: Sequence[torch.Tensor]) -> list[object | None]:
-        return [_xla.sharding(t) for t in outputs]
-
-    def on_gradient(
-        self, state: object, position: int, grad: torch.Tensor, output: torch.Tensor | None
-    ) -> None:
-        if _xla.sharding(grad) is not None:
-            return
-        shardings: list[object | None] = state  # type: ignore[assignment]  # on_forward's
-        op_sharding = (_xla.sharding(output) if output is not None else None) or shardings[position]
-        if op_sharding is not None:
-            _xla.shard_like(grad, op_sharding)
-        elif _xla.is_xla_tensor(grad) and _xla.spmd_active():
-            _xla.warn_unsharded_gradient_once()
-
-
-_SPMD_OUTPUT_SHARDING = _SpmdOutputSharding()
-_hooks.install(_EagerFsdpUnits())
-_hooks.install(_SPMD_OUTPUT_SHARDING)
-
-
-def _record_output_sharding(output: torch.Tensor) -> None:
-    """Record the sharding given to ``output`` after a checkpoint returned it.
-
-    SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
-    made of the checkpoint's output. This walks from ``output`` back through such pass-through
-    nodes to the checkpoint that produced it (either engine's gate carries its
-    :class:`ForwardRecord`), so that its backward shards the gradient the same way. An output
-    that no checkpoint produced, or that has no sharding, is left alone.
-    """
-    op_sharding = _xla.sharding(output)
-    if op_sharding is None:
-        return
-    node, index = output.grad_fn, output.output_nr
-    for _ in range(_MAX_ALIAS_HOPS):
-        if node is None:
-            return
-        gate: Any = node  # a checkpoint's gate carries its record and output positions
-        record = getattr(gate, "record", None)
-        if isinstance(record, ForwardRecord):
-            shardings = record.hook_state(_SPMD_OUTPUT_SHARDING)
-            if isinstance(shardings, list):
-                shardings[gate.output_positions[index]] = op_sharding
-            return
-        if type(node).__name__ not in _PASS_THROUGH_NODES:
-            return
-        node, index = node.next_functions[index]
-
-
-# Autograd nodes that hand their inputs on unchanged, one output per input.
-_PASS_THROUGH_NODES = {"BackwardHookFunctionBackward", "AliasBackward0"}
-_MAX_ALIAS_HOPS = 4

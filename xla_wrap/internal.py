@@ -5,24 +5,21 @@ Everything is re-exported from where it lives, so that the bench and the tests i
 module (tests/test_house.py checks) and the package can rearrange its rooms behind this face.
 """
 
-from . import _compiled, _offload
-from . import _xla as xla_gateway  # tests patch the gateway's reads (the step's base seed)
-from ._hlo import BufferAssignment, parse_buffer_assignment
-from ._offload import annotating_on_any_backend as annotating_offload_on_any_backend
-from ._openxla import _barrier as barrier_node
-from ._openxla import place_barriers
-from ._plan import apply_choices, summarize
-from ._plan_solver import DOTS, FULL, NONE, OFFLOAD, BlockCost, modelled_peak, objective, solve
-from ._planner import measure_choices, repeated_blocks
-from ._stacked import per_layer_gradients
-from ._xla import KEEP_BARRIERS_FLAG, is_device_data, sharding, tiled_sharding
-
-
-def forget_warnings() -> None:
-    """Let xla_wrap's warn-once warnings warn again (for a test that checks one)."""
-    _offload._warn_kept_on_device_once.cache_clear()
-    _compiled._warn_offload_kept_once.cache_clear()
-
+from ._inspect.hlo import BufferAssignment, parse_buffer_assignment
+from ._paths.compiled.openxla import barrier_node, place_barriers
+from ._paths.xla import (
+    KEEP_BARRIERS_FLAG,
+    annotating_offload_on_any_backend,
+    is_device_data,
+    sharding,
+    tiled_sharding,
+)
+from ._paths.xla import rng as xla_rng  # tests patch its reads (the step's base seed)
+from ._plan.cost_model import DOTS, FULL, NONE, OFFLOAD, BlockCost, modelled_peak, objective, solve
+from ._plan.plan import apply_choices, summarize
+from ._plan.planner import measure_choices, repeated_blocks
+from ._scan.stacked_parameters import per_layer_gradients
+from ._support.warn import forget_warnings
 
 __all__ = [
     "DOTS",
@@ -48,5 +45,5 @@ __all__ = [
     "solve",
     "summarize",
     "tiled_sharding",
-    "xla_gateway",
+    "xla_rng",
 ]

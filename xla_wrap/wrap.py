@@ -1,240 +1,29 @@
-"""Auto-wrap policies: which submodules of a model to checkpoint (or shard).
+"""Deprecated: :mod:`xla_wrap.wrap_policies` under its old name.
 
-A policy is a small named rule that selects submodules of a model, combinable with ``&`` and
-``|`` in the spirit of JAX's checkpoint policies. Give one to
-:func:`xla_wrap.apply_activation_checkpointing` in place of ``check_fn``:
-
-    >>> from xla_wrap import wrap
-    >>> policy = wrap.every_nth(wrap.by_type(nn.TransformerEncoderLayer), 2)  # doctest: +SKIP
-    >>> xla_wrap.apply_activation_checkpointing(model, policy)                # doctest: +SKIP
-
-Every policy resolves against a whole model at once (:meth:`Policy.select`), which is what
-lets it count (every n-th block) and see qualified names, neither of which a per-module
-callback can do.
+``xla_wrap.wrap`` read as the inverse of :func:`xla_wrap.unwrap`, which it is not: it holds
+wrap policies, the rules that select which submodules to checkpoint. Every name still works
+here and warns with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import warnings
+from typing import Any
 
-from torch import nn
+from . import wrap_policies as _wrap_policies
 
-from ._errors import CheckpointTypeError, CheckpointValueError, describe
-
-__all__ = [
-    "Policy",
-    "by_name",
-    "by_param_count",
-    "by_predicate",
-    "by_type",
-    "every_nth",
-]
-
-Named = tuple[str, nn.Module]
+__all__ = _wrap_policies.__all__
 
 
-class Policy:
-    """Selects submodules of a model. Combine policies with ``&`` (both) and ``|`` (either)."""
-
-    def select(self, model: nn.Module) -> list[Named]:
-        """The selected modules of ``model`` with their qualified names, in ``named_modules``
-        order; each module once (under its first name). The model itself is named ``""`` and
-        may be selected: APIs that cannot wrap it in place refuse it."""
-        return [
-            (name, module) for name, module in model.named_modules() if self.accepts(name, module)
-        ]
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        """Whether this policy, on its own, selects ``module`` found under ``name``."""
-        raise NotImplementedError
-
-    def __and__(self, other: Policy) -> Policy:
-        return _Combined(self, _checked(other, "&"), both=True)
-
-    def __or__(self, other: Policy) -> Policy:
-        return _Combined(self, _checked(other, "|"), both=False)
+def __getattr__(name: str) -> Any:
+    value = getattr(_wrap_policies, name)  # AttributeError names the module and the attribute
+    warnings.warn(
+        f"xla_wrap.wrap is now xla_wrap.wrap_policies: use xla_wrap.wrap_policies.{name}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return value
 
 
-@dataclass(frozen=True)
-class _ByType(Policy):
-    types: tuple[type, ...]
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        return isinstance(module, self.types)
-
-    def __repr__(self) -> str:
-        return f"by_type({', '.join(t.__name__ for t in self.types)})"
-
-
-@dataclass(frozen=True)
-class _ByParamCount(Policy):
-    minimum: int
-    maximum: int | None
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        count = sum(p.numel() for p in module.parameters())
-        return count >= self.minimum and (self.maximum is None or count <= self.maximum)
-
-    def __repr__(self) -> str:
-        return f"by_param_count(min={self.minimum}, max={self.maximum})"
-
-
-@dataclass(frozen=True)
-class _ByName(Policy):
-    patterns: tuple[str, ...]
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns)
-
-    def __repr__(self) -> str:
-        return f"by_name({', '.join(map(repr, self.patterns))})"
-
-
-@dataclass(frozen=True)
-class _ByPredicate(Policy):
-    predicate: Callable[[nn.Module], bool]
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        return bool(self.predicate(module))
-
-    def __repr__(self) -> str:
-        return f"by_predicate({getattr(self.predicate, '__name__', self.predicate)!r})"
-
-
-@dataclass(frozen=True)
-class _EveryNth(Policy):
-    inner: Policy
-    n: int
-    offset: int
-
-    def select(self, model: nn.Module) -> list[Named]:
-        return self.inner.select(model)[self.offset :: self.n]
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        raise CheckpointValueError(
-            "xla_wrap.wrap.every_nth: a position among matches has no meaning for one module; "
-            "resolve it against a model with `policy.select(model)`."
-        )
-
-    def __repr__(self) -> str:
-        return f"every_nth({self.inner!r}, {self.n}, offset={self.offset})"
-
-
-@dataclass(frozen=True)
-class _Combined(Policy):
-    """``left & right`` (``both``) or ``left | right``."""
-
-    left: Policy
-    right: Policy
-    both: bool
-
-    def select(self, model: nn.Module) -> list[Named]:
-        left = self.left.select(model)
-        right = {id(m) for _, m in self.right.select(model)}
-        if self.both:
-            return [(n, m) for n, m in left if id(m) in right]
-        chosen = right | {id(m) for _, m in left}
-        return [(n, m) for n, m in model.named_modules() if id(m) in chosen]
-
-    def accepts(self, name: str, module: nn.Module) -> bool:
-        left, right = self.left.accepts(name, module), self.right.accepts(name, module)
-        return (left and right) if self.both else (left or right)
-
-    def __repr__(self) -> str:
-        return f"({self.left!r} {'&' if self.both else '|'} {self.right!r})"
-
-
-def by_type(*types: type | Iterable[type]) -> Policy:
-    """Select modules that are instances of any of ``types`` (the transformer-layer rule).
-
-    Example:
-        >>> from torch import nn
-        >>> from xla_wrap import wrap
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> [name for name, _ in wrap.by_type(nn.Linear).select(model)]
-        ['0']
-    """
-    flat: list[object] = []
-    for given in types:
-        flat.extend(given if isinstance(given, (set, frozenset, list, tuple)) else [given])
-    classes: list[type] = []
-    for item in flat:
-        if not isinstance(item, type):
-            raise CheckpointTypeError(
-                f"xla_wrap.wrap.by_type: expected module classes, got {describe(item)}. Pass "
-                "classes such as `by_type(MyBlock)` or `by_type({MyBlock, OtherBlock})`."
-            )
-        classes.append(item)
-    if not classes:
-        raise CheckpointValueError(
-            "xla_wrap.wrap.by_type: expected at least one module class, got none."
-        )
-    return _ByType(tuple(classes))
-
-
-def by_param_count(min_params: int, max_params: int | None = None) -> Policy:
-    """Select modules holding at least ``min_params`` parameters (and at most ``max_params``),
-    counting their submodules' parameters too: the size rule of FSDP's size-based policy."""
-    for label, value in (("min_params", min_params), ("max_params", max_params)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
-            raise CheckpointValueError(
-                f"xla_wrap.wrap.by_param_count: expected a non-negative int as `{label}`, got "
-                f"{describe(value)}."
-            )
-    return _ByParamCount(min_params, max_params)
-
-
-def by_name(*patterns: str) -> Policy:
-    """Select modules whose qualified name (``"layers.3.mlp"``) matches any of the
-    shell-style ``patterns`` (``"layers.*"``, ``"*.attn"``; ``*`` also crosses dots)."""
-    if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise CheckpointTypeError(
-            f"xla_wrap.wrap.by_name: expected one or more patterns as strings, got {patterns!r}. "
-            'Example: `by_name("encoder.layers.*")`.'
-        )
-    return _ByName(tuple(patterns))
-
-
-def by_predicate(predicate: Callable[[nn.Module], bool]) -> Policy:
-    """Select modules for which ``predicate(module)`` is true (any callable)."""
-    if not callable(predicate):
-        raise CheckpointTypeError(
-            f"xla_wrap.wrap.by_predicate: expected a callable, got {describe(predicate)}."
-        )
-    return _ByPredicate(predicate)
-
-
-def every_nth(policy: Policy, n: int, *, offset: int = 0) -> Policy:
-    """Keep every ``n``-th module that ``policy`` selects, starting at position ``offset``: the
-    usual dial between memory (n=1, every block) and speed (larger n).
-
-    Example:
-        >>> from torch import nn
-        >>> from xla_wrap import wrap
-        >>> model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])
-        >>> [n for n, _ in wrap.every_nth(wrap.by_type(nn.Linear), 2).select(model)]
-        ['0', '2', '4']
-    """
-    _checked(policy, "every_nth")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise CheckpointValueError(
-            f"xla_wrap.wrap.every_nth: expected a positive int as `n`, got {describe(n)}."
-        )
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < n:
-        raise CheckpointValueError(
-            f"xla_wrap.wrap.every_nth: expected `offset` in 0..{n - 1}, got {describe(offset)}."
-        )
-    return _EveryNth(policy, n, offset)
-
-
-def _checked(policy: object, where: str) -> Policy:
-    if not isinstance(policy, Policy):
-        raise CheckpointTypeError(
-            f"xla_wrap.wrap: expected a Policy for `{where}`, got {describe(policy)}. Make one "
-            "with by_type, by_name, by_param_count or by_predicate."
-        )
-    return policy
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,4 +1,4 @@
-"""The benchmark's models: the first seed report's conv stack and a transformer-style stack,
+"""The benchmark's models: a stack of 1x1-convolution blocks and a transformer-style stack,
 the latter also sharded with SPMD FSDPv2 over a virtual CPU mesh ("transformer-fsdpv2").
 
 All expose ``blocks`` (an ``nn.ModuleList``) so that every variant checkpoints the same
@@ -16,7 +16,8 @@ from torch import nn
 
 
 class ConvBlock(nn.Sequential):
-    """conv 1x1, ReLU, conv 1x1, ReLU: the block of the first seed report."""
+    """conv 1x1, ReLU, conv 1x1, ReLU: the block of the model on which XLA was first seen to merge
+    a recomputation back into the forward (docs/index.md, "Why barriers")."""
 
     def __init__(self, channels: int) -> None:
         super().__init__(

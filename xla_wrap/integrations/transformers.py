@@ -29,14 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _xla
-from .._checkpoint import _unpartial, checkpoint, owning_modules
-from .._errors import CheckpointTypeError, CheckpointValueError, describe
-from .._options import options_from
-from .._plan import CheckpointPlan
-from .._scanned import ScannedLayers, apply_scan, unscan
-from .._tree import Flat
-from .._wrapper import CheckpointWrapper, unwrap
+from .._core.checkpoint import checkpoint, owning_modules, unpartial
+from .._core.options import options_from
+from .._core.wrapper import CheckpointWrapper, unwrap
+from .._paths import xla as _xla
+from .._plan.plan import CheckpointPlan
+from .._scan.module_list import ScannedLayers, apply_scan, unscan
+from .._support.checks import is_int
+from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
+from .._support.tree import Flat
 
 __all__ = [
     "gradient_checkpointing_disable",
@@ -93,11 +94,7 @@ def gradient_checkpointing_enable(
     """
     api = "xla_wrap.integrations.transformers.gradient_checkpointing_enable"
     _check_model(api, model)
-    if (
-        isinstance(every_n_layers, bool)
-        or not isinstance(every_n_layers, int)
-        or every_n_layers < 1
-    ):
+    if not is_int(every_n_layers) or every_n_layers < 1:
         raise CheckpointValueError(
             f"{api}: expected a positive integer as `every_n_layers`, got {every_n_layers!r}. "
             "Pass 1 to checkpoint every layer, 2 for every other one."
@@ -310,7 +307,7 @@ def _runs_on_xla(function: Callable[..., Any], args: tuple[Any, ...]) -> bool:
 def _tensors(function: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
     """The layer's tensor arguments (those bound in the partial included) and its first
     parameter: enough to tell the device it runs on."""
-    _, all_args, kwargs = _unpartial(function, args, {})
+    _, all_args, kwargs = unpartial(function, args, {})
     tensors = list(Flat.of((all_args, kwargs)).tensors)
     for module in owning_modules(function, args):
         first = next(module.parameters(), None)
@@ -336,7 +333,7 @@ def _check_model(api: str, model: Any) -> None:
             f"{api}: expected a model that supports gradient checkpointing, got "
             f"{type(model).__name__}, whose class sets supports_gradient_checkpointing = False. "
             "Checkpoint its blocks with xla_wrap.apply_activation_checkpointing(model, "
-            "xla_wrap.wrap.by_type(BlockClass)) instead."
+            "xla_wrap.wrap_policies.by_type(BlockClass)) instead."
         )
     if "value" in inspect.signature(model._set_gradient_checkpointing).parameters:
         raise CheckpointValueError(
@@ -344,7 +341,7 @@ def _check_model(api: str, model: Any) -> None:
             f"{type(model).__name__}, which overrides `_set_gradient_checkpointing(module, "
             "value)` in the format before transformers 4.35 and cannot take another checkpoint "
             "function. Checkpoint its blocks with xla_wrap.apply_activation_checkpointing("
-            "model, xla_wrap.wrap.by_type(BlockClass)) instead."
+            "model, xla_wrap.wrap_policies.by_type(BlockClass)) instead."
         )
 
 

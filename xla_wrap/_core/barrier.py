@@ -1,0 +1,83 @@
+"""Optimization barriers that keep autograd intact.
+
+``xm.optimization_barrier`` returns detached tensors, so a loss computed after it gets no
+gradients (examples/digits_barrier.py: MNIST stuck at chance). Here the barrier is an autograd
+Function: values pass through a barrier in forward, and incoming gradients pass through a
+barrier of their own in backward, so gradient computation cannot be fused across it either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import _paths
+from .._support.errors import CheckpointTypeError, describe
+
+
+def barriered(
+    tensors: Sequence[torch.Tensor], *, in_place: Sequence[bool] | None = None
+) -> list[torch.Tensor]:
+    """Detached tensors equal to ``tensors``, tied together by their execution path's barrier.
+
+    Off XLA they are plain ``detach()`` aliases: eager execution has nothing to reorder. On XLA
+    a tensor marked ``in_place`` shares its value with the caller's tensor, so later readers of
+    that tensor read the barrier's output too and XLA keeps no pre-barrier copy beside it; the
+    others are copies, which leave the caller's tensor (module state) untouched.
+
+    Args:
+        tensors: The tensors to tie together.
+        in_place: Per tensor, whether the caller's tensor may be rewritten; all False if omitted.
+    """
+    flags = [False] * len(tensors) if in_place is None else list(in_place)
+    return _paths.barrier(tensors, flags)
+
+
+class _Barrier(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(barriered(tensors))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Through the Function again: under `create_graph=True` the gradients stay differentiable.
+        return tuple(_Barrier.apply(*grads))
+
+
+def optimization_barrier(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Stop XLA from moving or merging computation across these tensors, keeping gradients.
+
+    All tensors pass through one barrier: nothing that reads an output can start before every
+    input exists, and XLA cannot treat an output as the input it came from. Unlike
+    ``torch_xla.core.xla_model.optimization_barrier``, gradients flow to every input, and the
+    incoming gradients are barriered together in backward. Off XLA it returns the tensors
+    unchanged.
+
+    Args:
+        *tensors: The tensors to tie together.
+
+    Returns:
+        A tuple with one tensor per input, equal in value to it.
+
+    Raises:
+        CheckpointTypeError: If an argument is not a tensor.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y, = xla_wrap.optimization_barrier(x * 2)
+        >>> y.sum().backward()
+        >>> x.grad
+        tensor([2., 2.])
+    """
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointTypeError(
+                f"xla_wrap.optimization_barrier: expected tensors, got {describe(tensor)} at "
+                f"position {index}. Pass only tensors, e.g. `out, = optimization_barrier(out)`."
+            )
+    if not any(_paths.device_path(t.device).barriers for t in tensors):
+        return tuple(tensors)
+    return tuple(_Barrier.apply(*tensors))

@@ -1,0 +1,60 @@
+"""Extension points of the checkpointing core for the compositions it knows nothing about.
+
+The wrapper, the two engines and ``apply_activation_checkpointing`` never ask which sharding
+framework runs around them. A composition that must act on checkpoints (refuse a module it
+owns, keep a sharding across the barrier) subclasses :class:`CheckpointHook` and installs an
+instance once, at import: xla_wrap/_fsdp/units.py installs the FSDP, SPMD and XLA FSDP
+recomputation hooks, and the package imports it, so they are always in place. Nothing else
+changes the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+from .._support.state import process
+
+
+class CheckpointHook:
+    """What a composition adds to checkpointing. Every method does nothing by default."""
+
+    def check_module(self, api: str, module: nn.Module) -> None:
+        """Raise if ``module`` must not be checkpointed; called before anything is wrapped."""
+
+    def check_selection(
+        self, api: str, policy: object, model: nn.Module, selected: Sequence[nn.Module]
+    ) -> None:
+        """Raise if a wrap ``policy`` selecting ``selected`` in ``model`` is a mistake."""
+
+    def on_forward(self, outputs: Sequence[torch.Tensor]) -> object:
+        """What to remember about the output tensors of one checkpointed forward. The value
+        belongs to the hook (it may change it until backward) and comes back in
+        :meth:`on_gradient`."""
+        return None
+
+    def on_gradient(
+        self, state: object, position: int, grad: torch.Tensor, output: torch.Tensor | None
+    ) -> None:
+        """Called with each output gradient after the barrier, before the block's backward
+        reads it: ``position`` indexes the forward's output tensors, ``output`` is the
+        recomputed output where the engine has it."""
+
+    def replaying(self) -> AbstractContextManager[None]:
+        """A context entered around each recomputation (after the recomputing flag is set,
+        before the random generators are replayed)."""
+        return nullcontext()
+
+
+def install(hook: CheckpointHook) -> None:
+    """Add ``hook`` to the hooks every checkpoint consults (once per hook)."""
+    if hook not in process.hooks:
+        process.hooks = (*process.hooks, hook)
+
+
+def installed() -> tuple[CheckpointHook, ...]:
+    """The installed hooks, in installation order."""
+    return process.hooks

@@ -1,0 +1,114 @@
+"""How a checkpoint runs: the options every API takes, checked in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import checkpoint_policies as cp
+from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
+
+# The engine when the caller does not choose: the non-reentrant one (docs/policies.md, "The two
+# engines"). On XLA both compile to the same program; on eager devices only the non-reentrant
+# one accumulates gradients in the unwrapped model's order (bitwise equal for encoder-decoders
+# too), supports torch.autograd.grad and skips blocks that need no gradient.
+DEFAULT_REENTRANT = False
+
+#: The keyword options every checkpointing API accepts.
+OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
+
+# torch.utils.checkpoint.checkpoint's keywords that xla_wrap does not take, with what to do
+# instead. Passed to xla_wrap.checkpoint they would reach the function as its own arguments,
+# and a forward taking **kwargs (as Hugging Face layers do) would drop them without a word.
+_TORCH_ONLY_KEYWORDS = {
+    "context_fn": "choose what to keep with `policy=` (xla_wrap.checkpoint_policies) instead",
+    "determinism_check": "xla_wrap always checks the recomputation (count, shapes and dtypes "
+    "of what it saves) and names the first difference; drop it",
+    "debug": "xla_wrap's CheckpointError names the first different tensor and the op that made "
+    "it; drop it",
+    "early_stop": "xla_wrap always stops the recomputation once the last saved tensor exists "
+    "(on XLA the compiler drops the rest); drop it",
+}
+
+
+def refuse_torch_only_keywords(api: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword of ``torch.utils.checkpoint.checkpoint`` that xla_wrap lacks."""
+    for name in (name for name in _TORCH_ONLY_KEYWORDS if name in kwargs):
+        raise CheckpointTypeError(
+            f"{api}: expected the function's own keyword arguments and xla_wrap's options "
+            f"({', '.join(OPTION_NAMES)}), got `{name}`, an option of "
+            f"torch.utils.checkpoint.checkpoint that xla_wrap does not take: "
+            f"{_TORCH_ONLY_KEYWORDS[name]}. If `{name}` is the function's own argument, bind it: "
+            f"`checkpoint(functools.partial(function, {name}=...), *args)`."
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How a checkpoint runs (see :func:`xla_wrap.checkpoint` for each option).
+
+    Attributes:
+        preserve_rng_state: Replay the random generators in the recomputation.
+        use_reentrant: Which engine runs: False (the default) for the non-reentrant one,
+            True for the reentrant one.
+        policy: The save policy of the non-reentrant engine; None recomputes everything.
+        offload_to_cpu: Keep what the checkpoint saves in host memory.
+    """
+
+    preserve_rng_state: bool = True
+    use_reentrant: bool = DEFAULT_REENTRANT
+    policy: cp.SavePolicy | None = None
+    offload_to_cpu: bool = False
+
+    def as_keywords(self) -> dict[str, Any]:
+        """The options as the keyword arguments of :func:`xla_wrap.checkpoint`."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+
+def options_from(api: str, options: dict[str, Any]) -> CheckpointOptions:
+    """:func:`make_options` for APIs that take the options as ``**kwargs``: an unknown name
+    gets an error that lists the known ones."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise CheckpointTypeError(
+            f"{api}: expected checkpoint options among {', '.join(OPTION_NAMES)}, got "
+            f"{unknown}. Pass only those, as keywords."
+        )
+    return make_options(api, **options)
+
+
+def make_options(
+    api: str,
+    *,
+    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+    policy: cp.SavePolicy | str | None = None,
+    offload_to_cpu: bool = False,
+) -> CheckpointOptions:
+    """Check the options once, for every API that takes them, and choose the engine.
+
+    The non-reentrant engine is the default (:data:`DEFAULT_REENTRANT`); it alone can apply a
+    save policy.
+    """
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise CheckpointTypeError(
+            f"{api}: expected True, False or None as `use_reentrant`, got "
+            f"{describe(use_reentrant)}."
+        )
+    resolved = None if policy is None else cp.resolve(api, policy)
+    if resolved is cp.nothing_saveable:
+        resolved = None
+    if use_reentrant is True and resolved is not None:
+        raise CheckpointValueError(
+            f"{api}: a save policy needs the non-reentrant engine, got use_reentrant=True with "
+            f"policy={getattr(resolved, '__qualname__', None) or resolved!r}. Pass "
+            "use_reentrant=False, or omit it."
+        )
+    return CheckpointOptions(
+        preserve_rng_state=bool(preserve_rng_state),
+        use_reentrant=(DEFAULT_REENTRANT and resolved is None)
+        if use_reentrant is None
+        else use_reentrant,
+        policy=resolved,
+        offload_to_cpu=bool(offload_to_cpu),
+    )

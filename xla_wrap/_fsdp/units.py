@@ -1,0 +1,220 @@
+"""FSDP units built around checkpoints, and the hooks that keep FSDP out of the checkpoint
+core (the face is :mod:`xla_wrap.fsdp`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core import hooks as _hooks
+from .._core.options import options_from
+from .._core.recompute import ForwardRecord
+from .._core.wrapper import checkpoint_wrapper
+from .._layouts import is_fsdp_unit as is_unit
+from .._paths import xla as _xla
+from .._plan.plan import CheckpointPlan
+from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
+from .._support.tree import Flat
+from ..wrap_policies import WrapPolicy
+
+__all__ = ["auto_wrap_policy", "auto_wrapper_callable", "fsdp_units"]
+
+
+def auto_wrap_policy(policy: WrapPolicy, model: nn.Module) -> Callable[..., bool]:
+    """FSDP's ``auto_wrap_policy`` callback for the submodules ``policy`` selects in ``model``.
+
+    Works with torch_xla's FSDP (``module=, recurse=, unwrapped_params=``) and PyTorch's FSDP1
+    (``module, recurse, nonwrapped_numel``): FSDP recurses everywhere, and wraps exactly the
+    selected modules. The selection is made on ``model`` as it is now, before FSDP wraps
+    anything, so pass the model you are about to give FSDP.
+    """
+    units = fsdp_units(model)
+    if units:
+        raise CheckpointValueError(
+            "xla_wrap.fsdp.auto_wrap_policy: expected the model before FSDP wraps it, got one "
+            f"that already contains FSDP units (at {format_units(units)}). Build the policy "
+            "from the unwrapped model and hand that model to FSDP with it."
+        )
+    chosen = {id(module) for _, module in policy.select(model)}
+
+    def callback(module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        return True if recurse else id(module) in chosen
+
+    return callback
+
+
+def auto_wrapper_callable(
+    *, fsdp_class: type | None = None, plan: CheckpointPlan | None = None, **checkpoint_options: Any
+) -> Callable[..., nn.Module]:
+    """FSDP's ``auto_wrapper_callable``: build each unit as ``FSDP(checkpoint_wrapper(m))``.
+
+    Args:
+        fsdp_class: The FSDP class; torch_xla's ``XlaFullyShardedDataParallel`` if omitted.
+        plan: A :class:`xla_wrap.CheckpointPlan` made on the model about to be wrapped: each
+            unit is checkpointed as the plan chose for its module (or not at all), in place of
+            one set of options for all.
+        **checkpoint_options: Options for :func:`xla_wrap.checkpoint_wrapper`.
+    """
+    api = "xla_wrap.fsdp.auto_wrapper_callable"
+    options = options_from(api, checkpoint_options)  # fail early
+    if plan is not None and (checkpoint_options or not isinstance(plan, CheckpointPlan)):
+        raise CheckpointTypeError(
+            f"{api}: expected a CheckpointPlan as `plan` and no other checkpoint options (the "
+            f"plan chooses them per unit), got plan={describe(plan)} and "
+            f"{sorted(checkpoint_options)}. Pass one or the other."
+        )
+    fsdp = fsdp_class or _xla.xla_fsdp_class()
+
+    def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        chosen = options if plan is None else plan.options_of(module)
+        if chosen is None:  # the plan keeps this unit's activations
+            unit: nn.Module = fsdp(module, *args, **kwargs)
+            return unit
+        unit = fsdp(checkpoint_wrapper(module, **chosen.as_keywords()), *args, **kwargs)
+        # SPMD FSDP shards the unit's output after the checkpoint returned it; the checkpoint's
+        # backward must shard the gradient the same way (see _record_output_sharding).
+        unit.register_forward_hook(_record_output_shardings)
+        return unit
+
+    return build
+
+
+def fsdp_units(model: nn.Module) -> list[str]:
+    """Qualified names of the FSDP units in ``model`` ("" for the model itself)."""
+    return [name for name, module in model.named_modules() if is_unit(module)]
+
+
+def format_units(units: list[str]) -> str:
+    """The first few unit names for a message."""
+    shown = ", ".join(repr(name or "<root>") for name in units[:3])
+    return shown + (f" and {len(units) - 3} more" if len(units) > 3 else "")
+
+
+def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
+    for tensor in Flat.of(output).tensors:
+        _record_output_sharding(tensor)
+
+
+class _EagerFsdpUnits(_hooks.CheckpointHook):
+    """Refuse what cannot work with FSDP units already in the model."""
+
+    def check_module(self, api: str, module: nn.Module) -> None:
+        """Refuse to checkpoint a unit of PyTorch's FSDP1.
+
+        FSDP1's unit is a wrapper whose forward gathers and frees the parameters and
+        registers backward hooks; recomputed in backward, it would run that forward again
+        where FSDP1's state machine expects a backward. FSDP2's ``fully_shard`` keeps its
+        hooks on the module itself, so they run around the checkpoint, as they do for
+        ``fully_shard(checkpoint_wrapper(block))``; torch_xla's FSDP expects checkpoints
+        around its units (docs/fsdp.md).
+        """
+        eager_fsdp = sys.modules.get("torch.distributed.fsdp")
+        if eager_fsdp is None:
+            return
+        fsdp1 = getattr(eager_fsdp, "FullyShardedDataParallel", None)
+        if isinstance(fsdp1, type) and isinstance(module, fsdp1):
+            raise CheckpointTypeError(
+                f"{api}: expected a module that FSDP has not wrapped, got "
+                f"{type(module).__name__}, which is a unit of PyTorch's FSDP1. Checkpoint inside "
+                "each unit instead: checkpoint the blocks before `FullyShardedDataParallel` "
+                "wraps them, or apply_activation_checkpointing to the FSDP1-wrapped model with "
+                "a policy that selects the blocks (docs/fsdp.md)."
+            )
+
+    def check_selection(
+        self, api: str, policy: object, model: nn.Module, selected: Sequence[nn.Module]
+    ) -> None:
+        """Refuse a policy that selects nothing in a model FSDP has wrapped: FSDP flattened
+        and renamed what the policy looks for."""
+        units = [] if selected else fsdp_units(model)
+        if units:
+            raise CheckpointValueError(
+                f"{api}: the policy {policy!r} selects nothing in a model that FSDP has "
+                f"already wrapped (units at {format_units(units)}). FSDP flattens parameters "
+                "and renames submodules, which hides them from rules on size and names. "
+                "Checkpoint first, then shard: call apply_activation_checkpointing on the model "
+                "before FSDP wraps it, or let FSDP build each unit as "
+                "FSDP(checkpoint_wrapper(block)) with `auto_wrap_policy=xla_wrap.fsdp."
+                "auto_wrap_policy(policy, model), auto_wrapper_callable=xla_wrap.fsdp."
+                "auto_wrapper_callable()` (docs/fsdp.md)."
+            )
+
+
+class _SpmdOutputSharding(_hooks.CheckpointHook):
+    """Keep each output's SPMD sharding on its gradient across the barrier.
+
+    XLA's sharding propagation does not pass through an optimization barrier, so a barriered
+    gradient carries no sharding, and the partitioner then replicates the recomputation and
+    gathers its activations in full. Each gradient therefore gets the sharding of its output:
+    found on the recomputed output, recorded on the forward's output, or given to the output
+    only after the checkpoint returned it (FSDPv2 annotates a unit's output then; the units
+    :func:`auto_wrapper_callable` builds report it through :func:`_record_output_sharding`).
+    """
+
+    def on_forward(self, outputs: Sequence[torch.Tensor]) -> list[object | None]:
+        return [_xla.sharding(t) for t in outputs]
+
+    def on_gradient(
+        self, state: object, position: int, grad: torch.Tensor, output: torch.Tensor | None
+    ) -> None:
+        if _xla.sharding(grad) is not None:
+            return
+        shardings: list[object | None] = state  # type: ignore[assignment]  # on_forward's
+        op_sharding = (_xla.sharding(output) if output is not None else None) or shardings[position]
+        if op_sharding is not None:
+            _xla.shard_like(grad, op_sharding)
+        elif _xla.is_xla_tensor(grad) and _xla.spmd_active():
+            _xla.warn_unsharded_gradient_once()
+
+
+class _XlaFsdpRecomputing(_hooks.CheckpointHook):
+    """Tell XLA FSDP that a checkpointed block is being recomputed in backward, as torch_xla's
+    own checkpoint does: XLA FSDP then skips resharding the parameters it is about to gather
+    again (``torch_xla.utils.checkpoint.chkpt_status``)."""
+
+    def replaying(self) -> AbstractContextManager[None]:
+        return _xla.checkpoint_backward_status()
+
+
+_SPMD_OUTPUT_SHARDING = _SpmdOutputSharding()
+_hooks.install(_EagerFsdpUnits())
+_hooks.install(_SPMD_OUTPUT_SHARDING)
+_hooks.install(_XlaFsdpRecomputing())
+
+
+def _record_output_sharding(output: torch.Tensor) -> None:
+    """Record the sharding given to ``output`` after a checkpoint returned it.
+
+    SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
+    made of the checkpoint's output. This walks from ``output`` back through such pass-through
+    nodes to the checkpoint that produced it (either engine's gate carries its
+    :class:`ForwardRecord`), so that its backward shards the gradient the same way. An output
+    that no checkpoint produced, or that has no sharding, is left alone.
+    """
+    op_sharding = _xla.sharding(output)
+    if op_sharding is None:
+        return
+    node, index = output.grad_fn, output.output_nr
+    for _ in range(_MAX_ALIAS_HOPS):
+        if node is None:
+            return
+        gate: Any = node  # a checkpoint's gate carries its record and output positions
+        record = getattr(gate, "record", None)
+        if isinstance(record, ForwardRecord):
+            shardings = record.hook_state(_SPMD_OUTPUT_SHARDING)
+            if isinstance(shardings, list):
+                shardings[gate.output_positions[index]] = op_sharding
+            return
+        if type(node).__name__ not in _PASS_THROUGH_NODES:
+            return
+        node, index = node.next_functions[index]
+
+
+# Autograd nodes that hand their inputs on unchanged, one output per input.
+_PASS_THROUGH_NODES = {"BackwardHookFunctionBackward", "AliasBackward0"}
+_MAX_ALIAS_HOPS = 4

@@ -1,0 +1,1 @@
+"""Reading what XLA made of a step: HLO text, buffer assignments, saved residuals."""

@@ -1,0 +1,247 @@
+"""What XLA made of a step, read back from its dumps and lazy graphs (the face is
+:mod:`xla_wrap.introspect`)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._paths import xla as _xla
+from .._support.errors import CheckpointError, CheckpointValueError
+from .._support.flags import append_xla_flags, flag_values
+from . import hlo as _hlo
+from .residuals import Residual, format_residuals, saved_residuals
+
+__all__ = [
+    "CompiledProgram",
+    "RecomputeCost",
+    "Residual",
+    "compiled_memory",
+    "compiled_programs",
+    "count_instructions",
+    "dump_directory",
+    "enable_compile_dumps",
+    "format_residuals",
+    "hlo_flops",
+    "pending_hlo",
+    "recompute_cost",
+    "saved_residuals",
+]
+
+# module_0003.SyncTensorsGraph.412.cpu_after_optimizations-buffer-assignment.txt
+_BUFFER_ASSIGNMENT = re.compile(r"^(.*?)\.(?:\w+_)?after_optimizations-buffer-assignment\.txt$")
+
+count_instructions = _hlo.count_instructions
+
+
+def hlo_flops(hlo: str) -> int:
+    """Floating-point operations of the dot and convolution instructions in HLO text.
+
+    Counting them in the *optimized* HLO of a training step shows what recomputation really
+    costs: work XLA eliminated as dead code or merged away is not counted.
+    """
+    return _hlo.flops(hlo)
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    """One program XLA compiled, from its dumps.
+
+    Attributes:
+        name: XLA's module name as dumped (``module_0003.SyncTensorsGraph.412``).
+        total_bytes: Peak device memory of the program (XLA's buffer assignment).
+        argument_bytes: The part taken by the program's arguments (parameters, inputs).
+        output_bytes: The part taken by its outputs.
+        temporary_bytes: The rest: activations and other temporaries.
+        optimized_hlo: The HLO text after XLA's optimizations.
+    """
+
+    name: str
+    total_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temporary_bytes: int
+    optimized_hlo: str
+
+    @property
+    def total_mib(self) -> float:
+        return self.total_bytes / 2**20
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of the program's dots and convolutions (see :func:`hlo_flops`)."""
+        return _hlo.flops(self.optimized_hlo)
+
+    def count(self, opcode: str, *, reading: str | None = None) -> int:
+        """How many instructions of ``opcode`` (``"dot"``, ``"convolution"``,
+        ``"opt-barrier"``, ``"all-gather"``) the optimized program contains.
+
+        With ``reading=``, only those that read an output of a ``reading`` instruction
+        (through tuple access and pure data movement): ``count("all-gather",
+        reading="opt-barrier")`` is the number of parameter re-gathers that the recomputation
+        makes from barriered shards, separate from the forward's gathers.
+        """
+        return _hlo.count_instructions(self.optimized_hlo, opcode, reading=reading)
+
+
+def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
+    """The HLO text, before XLA's optimizations, of the computation pending for XLA ``tensors``.
+
+    Raises:
+        CheckpointValueError: If a tensor is not on an XLA device.
+    """
+    if _xla.loaded("torch_xla") is None or not all(_xla.is_xla_tensor(t) for t in tensors):
+        raise CheckpointValueError(
+            "xla_wrap.introspect.pending_hlo: expected tensors on an XLA device, got "
+            f"{[str(t.device) for t in tensors]}. Move the computation to `torch_xla.device()`."
+        )
+    return _xla.pending_hlo_text(tensors)
+
+
+def dump_directory(xla_flags: str | None = None) -> Path | None:
+    """The ``--xla_dump_to`` directory of this process, or None when XLA is not dumping."""
+    directories = [value for value in flag_values("--xla_dump_to", xla_flags) if value]
+    return Path(directories[0]) if directories else None
+
+
+def enable_compile_dumps(directory: str | os.PathLike[str] | None = None) -> Path:
+    """Make XLA dump what it compiles, so that :func:`compiled_memory` can read it.
+
+    Call it before the process creates its first XLA device: XLA reads ``XLA_FLAGS`` once. With
+    no ``directory``, a temporary one is made and removed when the process exits. If the process
+    already dumps (``--xla_dump_to`` in ``XLA_FLAGS``), that directory is returned unchanged.
+
+    Returns:
+        The dump directory.
+
+    Raises:
+        CheckpointError: If the XLA runtime has already started without dumps.
+    """
+    existing = dump_directory()
+    if existing is not None:
+        return existing
+    if _xla.runtime_started():
+        raise CheckpointError(
+            "xla_wrap.introspect.enable_compile_dumps: expected to run before the first XLA "
+            "device is created, got a running XLA runtime (XLA has read its flags already). "
+            "Call it at the top of the script, or start Python with "
+            "XLA_FLAGS=--xla_dump_to=DIR."
+        )
+    if directory is None:
+        path = Path(tempfile.mkdtemp(prefix="xla_wrap_dumps_"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    else:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+    append_xla_flags(f"--xla_dump_to={path}")
+    return path
+
+
+def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
+    """Run ``step`` and return every program XLA compiled while it ran, largest peak first.
+
+    ``step`` must end with ``torch_xla.sync()`` (or otherwise execute its graph). A program
+    compiled earlier in the process comes from the cache and is not reported: measure each
+    configuration once per process. Every dump file the step produced is deleted.
+
+    Raises:
+        CheckpointValueError: If XLA is not dumping (see :func:`enable_compile_dumps`) or the
+            step compiled nothing.
+    """
+    directory = dump_directory()
+    if directory is None:
+        raise CheckpointValueError(
+            "xla_wrap.introspect.compiled_programs: expected XLA to dump its compilations, got "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}. Call "
+            "`introspect.enable_compile_dumps()` before the first XLA device is created, or "
+            "start Python with XLA_FLAGS=--xla_dump_to=DIR."
+        )
+    before = _files(directory)
+    step()
+    new = sorted(_files(directory) - before)
+    programs = []
+    for path in new:
+        match = _BUFFER_ASSIGNMENT.match(path.name)
+        if match is None:
+            continue
+        assignment = _hlo.parse_buffer_assignment(path.read_text())
+        hlo_path = path.with_name(path.name.replace("-buffer-assignment", ""))
+        if assignment is None or not hlo_path.exists():
+            continue
+        programs.append(
+            CompiledProgram(
+                name=match.group(1),
+                total_bytes=assignment.total,
+                argument_bytes=assignment.arguments,
+                output_bytes=assignment.outputs,
+                temporary_bytes=assignment.temporaries,
+                optimized_hlo=hlo_path.read_text(),
+            )
+        )
+    for path in new:
+        path.unlink(missing_ok=True)
+    if not programs:
+        raise CheckpointValueError(
+            "xla_wrap.introspect.compiled_programs: expected `step` to compile a program, got "
+            "none (it came from the compilation cache, or `step` did not call "
+            "torch_xla.sync()). Measure each configuration once per process, and sync inside "
+            "`step`."
+        )
+    return sorted(programs, key=lambda p: p.total_bytes, reverse=True)
+
+
+@dataclass(frozen=True)
+class RecomputeCost:
+    """What a checkpointed program computes beyond the plain one (see :func:`recompute_cost`)."""
+
+    extra_dots: int
+    extra_convolutions: int
+    extra_flops: int
+    flops_ratio: float
+
+
+def recompute_cost(plain: CompiledProgram, checkpointed: CompiledProgram) -> RecomputeCost:
+    """The dot and convolution work a checkpointed step adds to the same step without
+    checkpointing, both read from their optimized HLO.
+
+    Full recomputation adds at most one forward of the checkpointed blocks: a FLOP ratio of at
+    most 4/3 when every block is checkpointed. A ratio of 1.0 means XLA merged the
+    recomputation back into the forward (no barrier), and saved no memory either.
+
+    Example:
+        >>> cost = introspect.recompute_cost(plain, checkpointed)  # doctest: +SKIP
+        >>> cost.flops_ratio  # doctest: +SKIP
+        1.32
+    """
+    plain_flops = plain.flops
+    extra = checkpointed.flops - plain_flops
+    return RecomputeCost(
+        extra_dots=checkpointed.count("dot") - plain.count("dot"),
+        extra_convolutions=checkpointed.count("convolution") - plain.count("convolution"),
+        extra_flops=extra,
+        flops_ratio=checkpointed.flops / plain_flops if plain_flops else float("nan"),
+    )
+
+
+def compiled_memory(step: Callable[[], Any]) -> CompiledProgram:
+    """Run ``step`` and return the largest program it compiled: the step's compiled peak.
+
+    Raises:
+        CheckpointValueError: As :func:`compiled_programs`.
+    """
+    return compiled_programs(step)[0]
+
+
+def _files(directory: Path) -> set[Path]:
+    if not directory.exists():
+        return set()
+    return {p for p in directory.iterdir() if p.is_file()}

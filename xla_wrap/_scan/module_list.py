@@ -1,0 +1,331 @@
+"""A way in for models that loop over a ``ModuleList``: :class:`ScannedLayers` and
+:func:`apply_scan`.
+
+A model's forward usually runs its blocks as ``for layer in self.layers: x = layer(x, ...)``.
+A scanned list keeps its layers, names and ``state_dict`` as they are, but iterating over it
+yields stand-ins: the first one, called, runs the whole stack through :func:`scan_layers`;
+each later one checks that it receives the previous result and the same other arguments, and
+hands the result on. A loop body that does anything else between layers gets an error at the
+second layer instead of a wrong result; a loop that stops early cannot be told apart, so only
+loops over the whole list (or a slice of it) qualify (docs/scan.md lists the models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from torch import nn
+
+from .. import _paths
+from .. import checkpoint_policies as cp
+from .._core.options import make_options
+from .._support.checks import check_module
+from .._support.errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
+from . import stacked_parameters as _stacked
+from .loops import _LayerStack, compiled_layer, run_scan
+
+M = TypeVar("M", bound=nn.Module)
+_OPTIONS = "_xla_wrap_scan_options"
+
+
+class ScannedLayers(nn.ModuleList):
+    """An ``nn.ModuleList`` whose iteration runs its layers as one scanned, checkpointed stack
+    (:func:`xla_wrap.scan_layers`). Indexing and ``len`` see the layers themselves.
+
+    Args:
+        modules: The layers, all built alike.
+        policy: The save policy each layer checkpoints with (as in :func:`scan_layers`).
+        offload_to_cpu: Keep the saved carries in host memory (as in :func:`scan_layers`).
+        stack_parameters: Store the layers' parameters stacked, one parameter per name with
+            the layers on its first dimension, held where layer 0 holds its own: the scan
+            then neither copies the weights nor compiles anything per layer (compile time
+            flat in depth). ``state_dict`` still has one entry per layer; build optimizers
+            after this. See docs/scan.md.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> layers = xla_wrap.ScannedLayers(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> x = torch.randn(2, 8)
+        >>> for layer in layers:
+        ...     x = layer(x)
+        >>> x.shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        modules: Iterable[nn.Module] | None = None,
+        *,
+        policy: cp.SavePolicy | str | None = None,
+        offload_to_cpu: bool = False,
+        stack_parameters: bool = False,
+    ) -> None:
+        super().__init__(modules)
+        api = "xla_wrap.ScannedLayers"
+        self.__dict__[_OPTIONS] = _scan_options(api, policy, offload_to_cpu)
+        if stack_parameters:
+            _stack(api, self)
+
+    @property
+    def parameters_stacked(self) -> bool:
+        """Whether the layers' parameters are stored stacked (``stack_parameters=True``)."""
+        return _stacked.is_stacked(self)
+
+    @property
+    def scan_options(self) -> dict[str, Any]:
+        """``policy`` and ``offload_to_cpu``, as :func:`scan_layers` takes them."""
+        options: dict[str, Any] = self.__dict__[_OPTIONS]
+        return dict(options)
+
+    def __getitem__(self, index: Any) -> Any:
+        item = super().__getitem__(index)
+        if isinstance(index, slice):  # `self.layers[:n]` stays scanned
+            item.__dict__[_OPTIONS] = self.__dict__[_OPTIONS]
+        return item
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        layers = list(self._modules.values())
+        if not layers:
+            return iter(())
+        if _paths.compiling():  # each layer, checkpointed as the compiler's checkpoint
+            return iter(_compiled_layers(self, layers))
+        run = _StackRun(lambda args, kwargs: self._run_stack(layers, args, kwargs))
+        stand_ins: list[Any] = [_Stage(run, i, layer) for i, layer in enumerate(layers)]
+        return iter(stand_ins)
+
+    def _run_stack(
+        self, layers: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run all ``layers`` on what layer 0 was called with."""
+        return run_scan("xla_wrap.ScannedLayers", layers, args, kwargs, **self.scan_options)
+
+    def __repr__(self) -> str:
+        if not self.parameters_stacked:
+            return nn.Module.__repr__(self)  # ModuleList's own iterates: it would see stand-ins
+        # The other layers hold no parameters, which their modules' own reprs may read.
+        count = len(self)
+        first = nn.Module.__repr__(self[0]).replace("\n", "\n  ")
+        others = "" if count == 1 else f"({1 if count == 2 else f'1-{count - 1}'}): as layer 0, "
+        return (
+            f"ScannedLayers(\n  (0): {first}\n  {others}parameters stacked in layer 0 "
+            f"({count} layers)\n)"
+        )
+
+
+def _compiled_layers(scanned: ScannedLayers, layers: list[nn.Module]) -> list[Any]:
+    """What a loop over a scanned list calls inside ``torch.compile``: each layer, run alone
+    as the compiler's checkpoint."""
+    options = make_options("xla_wrap.ScannedLayers", **scanned.scan_options)
+    return [_CompiledStage(layers, index, options) for index in range(len(layers))]
+
+
+class _CompiledStage:
+    """Layer ``index`` of a scanned list inside ``torch.compile``: called, the layer as the
+    compiler's checkpoint; otherwise the layer (``layer.attention_type`` and the like)."""
+
+    def __init__(self, layers: list[nn.Module], index: int, options: Any) -> None:
+        # Private names: any other attribute is the layer's.
+        self._layers, self._index, self._options = layers, index, options
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layers[self._index], name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        api = "xla_wrap.ScannedLayers"
+        return compiled_layer(api, self._layers, self._index, self._options, *args, **kwargs)
+
+
+class _StackRun:
+    """One iteration over a scanned list: the result of the whole stack, once computed."""
+
+    def __init__(self, run: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> None:
+        self.run = run
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.result: Any = None
+        self.done = -1  # the last stage called
+
+
+class _Stage:
+    """What the loop body calls in place of layer ``index``."""
+
+    def __init__(self, run: _StackRun, index: int, layer: nn.Module) -> None:
+        self.__dict__["run"] = run
+        self.__dict__["index"] = index
+        self.__dict__["layer"] = layer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["layer"], name)  # `layer.attention_type` and the like
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(stand_in, Layer) holds, as for the layer
+        return type(self.__dict__["layer"])
+
+    def __repr__(self) -> str:
+        return f"stand-in for layer {self.__dict__['index']}: {self.__dict__['layer']!r}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run: _StackRun = self.__dict__["run"]
+        index: int = self.__dict__["index"]
+        if index != run.done + 1:
+            raise CheckpointError(
+                f"xla_wrap.ScannedLayers: layer {index} was called after layer {run.done}; a "
+                "scanned list runs all its layers when the first is called, so its layers must "
+                "be called in order, once per iteration."
+            )
+        run.done = index
+        if index == 0:
+            run.args, run.kwargs = args, kwargs
+            run.result = run.run(args, kwargs)
+            return run.result
+        _check_same_call(index, run, args, kwargs)
+        return run.result
+
+
+def _check_same_call(
+    index: int, run: _StackRun, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    def same(a: Any, b: Any) -> bool:
+        return a is b or (not hasattr(a, "shape") and type(a) is type(b) and _equal(a, b))
+
+    problem = None
+    if not args or args[0] is not run.result:
+        problem = (
+            f"its first argument is {describe(args[0]) if args else 'missing'}, not the "
+            "previous layer's result"
+        )
+    elif len(args) != len(run.args) or not all(
+        same(a, b) for a, b in zip(args[1:], run.args[1:], strict=True)
+    ):
+        problem = "its positional arguments after the first differ from layer 0's"
+    elif kwargs.keys() != run.kwargs.keys() or not all(
+        same(kwargs[k], run.kwargs[k]) for k in kwargs
+    ):
+        problem = "its keyword arguments differ from layer 0's"
+    if problem:
+        raise CheckpointError(
+            f"xla_wrap.ScannedLayers: layer {index} was called differently from the loop "
+            f"`x = layer(x, ...)` a scanned list needs: {problem}. The whole stack ran when "
+            "layer 0 was called. Loop over a plain nn.ModuleList here, or make every layer "
+            "take the previous result and the same other arguments."
+        )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _stack(api: str, layers: nn.ModuleList) -> None:
+    stack = _LayerStack.of(list(layers._modules.values()), api)
+    if stack.stacked_storage:
+        return
+    _stacked.stack(api, layers, stack.param_names)
+
+
+def _scan_options(
+    api: str, policy: cp.SavePolicy | str | None, offload_to_cpu: bool
+) -> dict[str, Any]:
+    options = make_options(api, policy=policy, offload_to_cpu=offload_to_cpu)
+    return {"policy": options.policy, "offload_to_cpu": options.offload_to_cpu}
+
+
+def apply_scan(
+    model: M,
+    check_fn: Callable[[nn.Module], bool] | None = None,
+    *,
+    policy: cp.SavePolicy | str | None = None,
+    offload_to_cpu: bool = False,
+    stack_parameters: bool = False,
+) -> M:
+    """Turn, in place, each ``nn.ModuleList`` of ``model`` whose layers are built alike (and,
+    with ``check_fn``, all selected by it) into a :class:`ScannedLayers`.
+
+    The lists keep their identity, names and ``state_dict``; the model's loop over each then
+    runs as one scanned, checkpointed stack. Only a forward that loops ``x = layer(x, ...)``
+    over the whole list qualifies (docs/scan.md).
+
+    Args:
+        model: The model to modify.
+        check_fn: Which layers may be scanned (``check_fn(layer) -> bool``); default: all.
+        policy: The save policy of the scanned layers (as in :func:`scan_layers`).
+        offload_to_cpu: Keep the saved carries in host memory (as in :func:`scan_layers`).
+        stack_parameters: Store each list's parameters stacked (as in
+            :class:`ScannedLayers`): the model's parameters change, so build the optimizer
+            after this.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        CheckpointTypeError: If ``model`` is not an ``nn.Module``.
+        CheckpointValueError: If nothing qualifies.
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> model = torch.nn.Module()
+        >>> model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> model = xla_wrap.apply_scan(model)
+        >>> type(model.layers).__name__
+        'ScannedLayers'
+    """
+    api = "xla_wrap.apply_scan"
+    check_module(
+        api,
+        model,
+        "an nn.Module as `model`",
+        "Pass the model whose layer lists should be scanned.",
+    )
+    options = _scan_options(api, policy, offload_to_cpu)
+    found = []
+    reasons = []
+    inside: set[int] = set()  # modules within a list already chosen: scanned with it
+    for name, module in model.named_modules():
+        if id(module) in inside or type(module) is not nn.ModuleList or len(module) == 0:
+            continue
+        if check_fn is not None and not all(check_fn(layer) for layer in module):
+            continue
+        try:
+            stack = _LayerStack.of(list(module), api)
+        except (CheckpointTypeError, CheckpointValueError) as error:
+            reasons.append(f"{name or 'the model'}: {str(error).rstrip('.')}")
+            continue
+        if stack_parameters:  # refused before any list changes
+            _stacked.check_stackable(api, stack.layers, stack.param_names)
+        found.append((module, stack))
+        inside.update(id(m) for m in module.modules())
+    if not found:
+        detail = ("; ".join(reasons)) if reasons else "it has no nn.ModuleList of layers"
+        raise CheckpointValueError(
+            f"{api}: found no layer list to scan in {type(model).__name__}: {detail}."
+        )
+    for module, stack in found:
+        module.__class__ = ScannedLayers
+        module.__dict__[_OPTIONS] = options
+        if stack_parameters and not stack.stacked_storage:
+            _stacked.stack(api, module, stack.param_names)
+    return model
+
+
+def unscan(layers: ScannedLayers) -> nn.ModuleList:
+    """Undo :func:`apply_scan` (or a :class:`ScannedLayers`) on one list, in place: a plain
+    ``nn.ModuleList`` again, whose loop runs layer by layer. Stacked parameters become
+    per-layer ones again (new tensors: build the optimizer again).
+
+    Example:
+        >>> import torch, xla_wrap
+        >>> layers = xla_wrap.ScannedLayers(
+        ...     (torch.nn.Linear(8, 8) for _ in range(3)), stack_parameters=True
+        ... )
+        >>> type(xla_wrap.unscan(layers)).__name__, tuple(layers[2].weight.shape)
+        ('ModuleList', (8, 8))
+    """
+    if _stacked.is_stacked(layers):
+        _stacked.unstack(layers)
+    plain: nn.ModuleList = layers
+    plain.__dict__.pop(_OPTIONS, None)
+    plain.__class__ = nn.ModuleList
+    return plain
