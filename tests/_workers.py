@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+WORKERS = ROOT / "tests" / "workers"  # the worker scripts
+
 
 def run_worker(script: Path, out: Path, timeout: float = 300) -> dict[str, Any]:
     """Run ``python script out`` in a fresh process and return the JSON it wrote to ``out``."""

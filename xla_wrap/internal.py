@@ -2,7 +2,8 @@
 ``equinox.internal``: not part of the public API, and names here change without deprecation.
 
 Everything is re-exported from where it lives, so that the bench and the tests import no private
-module (tests/test_house.py checks) and the package can rearrange its rooms behind this face.
+module (tests/project/test_house.py checks) and the package can rearrange its rooms behind this
+face.
 """
 
 from ._inspect.hlo import BufferAssignment, parse_buffer_assignment

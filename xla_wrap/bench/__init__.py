@@ -3,6 +3,6 @@
 See docs/benchmarks.md for what it measures and a real run.
 """
 
-from ._cli import main as main
+from .cli import main as main
 
 __all__ = ["main"]

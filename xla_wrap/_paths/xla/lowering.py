@@ -45,7 +45,8 @@ def barrier_(tensors: Sequence[torch.Tensor]) -> None:
 
 
 # Backends whose compiler executes torch_xla's host-placement annotations. XLA:CPU aborts the
-# process on them (`free(): invalid size`; tests/test_offload.py shows the values kept instead).
+# process on them (`free(): invalid size`; tests/core/test_offload.py shows the values kept
+# instead).
 _HOST_OFFLOAD_DEVICE_TYPES = {"TPU", "CUDA", "GPU"}
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ..internal import KEEP_BARRIERS_FLAG
-from ._models import MODELS, PLAN_ONLY_MODELS, SHARDED_DEVICES
-from ._report import compare, render_chart, render_plan_table, render_table
-from ._variants import DEPTH_VARIANTS, OPT_IN, TRANSFORMER_ONLY, VARIANTS
+from .models import MODELS, PLAN_ONLY_MODELS, SHARDED_DEVICES
+from .report import compare, render_chart, render_plan_table, render_table
+from .variants import DEPTH_VARIANTS, OPT_IN, TRANSFORMER_ONLY, VARIANTS
 
-_DEFAULT_VARIANTS = ",".join(v for v in VARIANTS if v not in OPT_IN)
+DEFAULT_VARIANTS = ",".join(v for v in VARIANTS if v not in OPT_IN)
 # The depth sweep's transformer: the mask a buffer of each block (torch_xla's scan_layers takes
 # no keyword arguments), Dropout off (it crashes with Dropout on torch_xla 2.9).
 DEPTH_SIZES = {"mask_buffer": 1, "dropout_pct": 0}
@@ -138,13 +138,13 @@ def _depths(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
-def _groups(
+def variant_groups(
     args: argparse.Namespace, models: list[str], variants: list[str], explicit: bool
 ) -> list[tuple[str, str, dict[str, int], list[str]]]:
     """What to run: (label, model, sizes, variants) per table group."""
-    sizes = _sizes(args, models)
+    sizes = sizes_for(args, models)
     if not args.depth:
-        return [(m, m, sizes[m], _variants_for(m, variants)) for m in models]
+        return [(m, m, sizes[m], variants_for(m, variants)) for m in models]
     chosen = variants if explicit else list(DEPTH_VARIANTS)
     groups = []
     for depth in args.depth:
@@ -156,7 +156,7 @@ def _groups(
     return groups
 
 
-def _sizes(args: argparse.Namespace, models: list[str]) -> dict[str, dict[str, int]]:
+def sizes_for(args: argparse.Namespace, models: list[str]) -> dict[str, dict[str, int]]:
     sizes = {m: dict((QUICK_SIZES if args.quick else DEFAULT_SIZES)[m]) for m in models}
     for item in args.size:
         key, _, value = item.partition("=")
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.depth:
         models = ["transformer"]
     explicit = args.variants is not None
-    variants = [v for v in (args.variants or _DEFAULT_VARIANTS).split(",") if v]
+    variants = [v for v in (args.variants or DEFAULT_VARIANTS).split(",") if v]
     unknown = [m for m in models if m not in DEFAULT_SIZES] + [
         v for v in variants if v not in VARIANTS
     ]
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "none" not in variants:
         variants.insert(0, "none")  # the reference every ratio is taken against
-    groups = _groups(args, models, variants, explicit)
+    groups = variant_groups(args, models, variants, explicit)
     flags = "" if args.stock else KEEP_BARRIERS_FLAG
     mode = "stock XLA:CPU, barriers stripped" if args.stock else f"barriers kept ({flags})"
     print(f"xla_wrap.bench on XLA:CPU, {mode}; {args.steps} timed steps per variant", flush=True)
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 job: dict[str, Any] = {"task": "measure", "model": model, "variant": variant}
                 job.update(sizes=sized, grads=str(grads))
                 print(f"[{next(tasks)}/{total}] {label} / {variant} ...", end=" ", flush=True)
-                run = {"model": label, "variant": variant, **_spawn(job, flags, tmp, args.timeout)}
+                run = {"model": label, "variant": variant, **spawn(job, flags, tmp, args.timeout)}
                 if "error" not in run:
                     run["grads"] = str(grads)
                 model_runs.append(run)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 end=" ",
                 flush=True,
             )
-            timing = _spawn(job, flags, tmp, args.timeout)
+            timing = spawn(job, flags, tmp, args.timeout)
             for run in model_runs:
                 variant = run["variant"]
                 if variant in timing.get("step_ms", {}):
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan_main(args: argparse.Namespace) -> int:
-    sizes = _sizes(args, ["transformer", *PLAN_ONLY_MODELS])
+    sizes = sizes_for(args, ["transformer", *PLAN_ONLY_MODELS])
     flags = "" if args.stock else KEEP_BARRIERS_FLAG
     print(f"xla_wrap.bench plan section on XLA:CPU, barriers kept ({flags})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +277,7 @@ def _plan_main(args: argparse.Namespace) -> int:
             job = {"task": "plan", "model": model, "sizes": sized, "steps": args.steps}
             print(f"[{index}/{len(PLAN_GROUPS)}] {label} ...", end=" ", flush=True)
             sections.append(
-                {"model": label, "sizes": sized, **_spawn(job, flags, Path(tmp_name), args.timeout)}
+                {"model": label, "sizes": sized, **spawn(job, flags, Path(tmp_name), args.timeout)}
             )
     table = render_plan_table(sections)
     print()
@@ -290,17 +290,17 @@ def _plan_main(args: argparse.Namespace) -> int:
 
 
 def _compile_main(args: argparse.Namespace) -> int:
-    from . import _compiled
+    from . import compiled
 
-    sizes = _sizes(args, ["transformer"])["transformer"]
+    sizes = sizes_for(args, ["transformer"])["transformer"]
     print(
         f"xla_wrap.bench compile section: torch {_torch_version()}, inductor on the CPU "
         f"(fallback_random), {args.steps} timed steps per variant, in this process",
         flush=True,
     )
     started = time.monotonic()
-    results = _compiled.run(sizes, args.steps, lambda line: print(line, flush=True))
-    table = _compiled.render(results)
+    results = compiled.run(sizes, args.steps, lambda line: print(line, flush=True))
+    table = compiled.render(results)
     print()
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -319,7 +319,7 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def _variants_for(model: str, variants: list[str]) -> list[str]:
+def variants_for(model: str, variants: list[str]) -> list[str]:
     if model.endswith("fsdpv2"):
         return [v for v in variants if v in SHARDED_VARIANTS]
     if model == "transformer":
@@ -327,7 +327,7 @@ def _variants_for(model: str, variants: list[str]) -> list[str]:
     return [v for v in variants if v not in TRANSFORMER_ONLY]
 
 
-def _spawn(job: dict[str, Any], flags: str, tmp: Path, timeout: float) -> dict[str, Any]:
+def spawn(job: dict[str, Any], flags: str, tmp: Path, timeout: float) -> dict[str, Any]:
     """Run ``job`` in a fresh Python (XLA reads its flags at start-up) and return its result,
     or an error saying how the process ended."""
     handle, name = tempfile.mkstemp(dir=tmp, suffix=".json")
@@ -368,7 +368,7 @@ def _read_result(path: Path, done: subprocess.CompletedProcess[str]) -> dict[str
 
 
 def _worker_main(job_text: str) -> int:
-    from ._worker import measure, plan_section, time_variants
+    from .worker import measure, plan_section, time_variants
 
     job = json.loads(job_text)
     if job["task"] not in ("measure", "time", "plan"):

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +19,10 @@ import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import internal
 
+from _workers import WORKERS
 from models import BATCH, WIDTH, Stack, assert_same, sync, train_step, wrap_blocks, wrapped_copy
 
-WORKER = Path(__file__).with_name("_offload_hlo_worker.py")
+WORKER = WORKERS / "offload_hlo.py"
 
 OFFLOADS = {
     "offload_to_cpu": {"offload_to_cpu": True},

@@ -16,6 +16,8 @@ from torch import nn
 import xla_wrap
 from xla_wrap import introspect
 
+from _workers import WORKERS
+
 pytestmark = [
     # The trainers' own: torch_xla's renamed helpers, transformers' renamed switch (the old
     # name, `gradient_checkpointing`, is what users set and what this file tests).
@@ -417,9 +419,8 @@ def test_trainer_with_xla_fsdpv2_trains_like_fsdpv2_alone_with_either_route() ->
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    worker = Path(__file__).with_name("_trainer_fsdpv2_worker.py")
+    worker = WORKERS / "trainer_fsdpv2.py"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
     done = subprocess.run(
         [sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..internal import per_layer_gradients
-from ._floor import estimated_floor
-from ._models import Workload, build
-from ._variants import STACK_VARIANTS, VARIANTS
+from .floor import estimated_floor
+from .models import Workload, build
+from .variants import STACK_VARIANTS, VARIANTS
 
 SEED = 1234
 WARM_UP_STEPS = 1  # the first step compiles; timing starts after it
@@ -242,7 +242,7 @@ def _plan_section(model_name: str, sizes: dict[str, int], steps: int) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from ._plan import compare_plans, step_of
+    from .plan import compare_plans, step_of
 
     workload = build(model_name, sizes)
     device = torch_xla.device()

@@ -1,6 +1,6 @@
 """A scanned stack under SPMD FSDPv2 on a 4-device virtual XLA:CPU mesh, for
-tests/test_scan.py (SPMD must be on before the process's first XLA tensor, so this runs in a
-fresh process: ``python tests/_scan_fsdpv2_worker.py OUT.json``).
+tests/scan/test_scan.py (SPMD must be on before the process's first XLA tensor, so this runs in a
+fresh process: ``python tests/workers/scan_fsdpv2.py OUT.json``).
 
 Each composition builds the same model from the same seed and runs one training step: the
 loss, the FLOPs per device, the gradients by parameter name, and the sharding of every
@@ -31,7 +31,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 
 import xla_wrap
 from xla_wrap import internal, introspect
-from xla_wrap.bench._models import TransformerStack, causal_mask
+from xla_wrap.bench.models import TransformerStack, causal_mask
 
 introspect.enable_compile_dumps()  # FLOPs per device, read from the compiled step
 xr.use_spmd()  # before any XLA tensor exists

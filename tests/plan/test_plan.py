@@ -18,8 +18,8 @@ from torch import nn
 import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import wrap_policies
-from xla_wrap.bench._models import MlpBlock, TransformerBlock, build
-from xla_wrap.bench._plan import compare_plans
+from xla_wrap.bench.models import MlpBlock, TransformerBlock, build
+from xla_wrap.bench.plan import compare_plans
 from xla_wrap.internal import (
     DOTS,
     FULL,

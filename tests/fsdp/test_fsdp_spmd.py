@@ -1,21 +1,21 @@
 """Checkpointing inside SPMD FSDPv2 on a 4-device virtual XLA:CPU mesh.
 
-One fresh process (tests/_spmd_fsdp_worker.py) runs every composition once, with barriers kept,
+One fresh process (tests/workers/spmd_fsdp.py) runs every composition once, with barriers kept,
 and reports loss, gradients, recomputations and what XLA compiled; the tests judge it here.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _workers import run_worker
+
+from _workers import WORKERS, run_worker
 
 pytestmark = pytest.mark.xla
 
-WORKER = Path(__file__).with_name("_spmd_fsdp_worker.py")
+WORKER = WORKERS / "spmd_fsdp.py"
 CHECKPOINTED = [
     "fsdp(checkpoint) helper",
     "fsdp(checkpoint) helper reentrant",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from _workers import ROOT
 
 _WITHOUT_TORCH_XLA = """
 import sys

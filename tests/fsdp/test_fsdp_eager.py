@@ -1,7 +1,7 @@
 """Checkpointing composed with PyTorch's eager FSDP (FSDP2 ``fully_shard`` and FSDP1
 ``FullyShardedDataParallel``), on CPU over gloo, in two processes; no XLA anywhere.
 
-One start of two worker processes (tests/_fsdp_eager_worker.py) runs every composition; the
+One start of two worker processes (tests/workers/fsdp_eager.py) runs every composition; the
 tests below read its results. Each checkpointed composition must give, on both ranks and in
 both training steps, bitwise the loss and gradients of the same FSDP without checkpointing and
 the same all-gathers and reduce-scatters, run each block twice per step (once in forward, once
@@ -20,19 +20,19 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from _workers import ROOT, WORKERS
+
 pytestmark = pytest.mark.subprocess
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).with_name("_fsdp_eager_worker.py")
+WORKER = WORKERS / "fsdp_eager.py"
 WORLD_SIZE = 2
-DEPTH = 3  # blocks in the worker's model (as in _fsdp_eager_worker.py)
-STEPS = 2  # training steps the worker runs (as in _fsdp_eager_worker.py)
+DEPTH = 3  # blocks in the worker's model (as in workers/fsdp_eager.py)
+STEPS = 2  # training steps the worker runs (as in workers/fsdp_eager.py)
 TIMEOUT_S = 120  # for both processes together; a hung gloo collective must not hang the suite
 
 # composition -> the FSDP without checkpointing that it must match

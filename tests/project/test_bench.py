@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from xla_wrap.bench._cli import parse_args
-from xla_wrap.bench._report import compare, render_table
+from xla_wrap.bench.cli import parse_args
+from xla_wrap.bench.report import compare, render_table
 
 
 def test_compare_takes_ratios_against_none_and_checks_gradients(tmp_path: Path) -> None:
@@ -62,10 +62,10 @@ def test_without_a_reference_there_are_no_ratios_and_no_gradient_verdict() -> No
 
 @pytest.mark.subprocess
 def test_a_worker_that_dies_is_reported_with_its_last_words(tmp_path: Path) -> None:
-    from xla_wrap.bench._cli import _spawn
+    from xla_wrap.bench.cli import spawn
 
     # An unknown task makes the worker die before writing a result.
-    result = _spawn({"task": "no-such-task"}, "", tmp_path, timeout=300)
+    result = spawn({"task": "no-such-task"}, "", tmp_path, timeout=300)
     assert result["error"].startswith("process died (exit 1): KeyError")
 
 
@@ -75,12 +75,12 @@ def test_steps_must_be_positive() -> None:
 
 
 def test_size_overrides_are_checked() -> None:
-    from xla_wrap.bench._cli import _sizes
+    from xla_wrap.bench.cli import sizes_for
 
     args = parse_args(["--size", "conv.channels=32"])
-    assert _sizes(args, ["conv"])["conv"]["channels"] == 32
+    assert sizes_for(args, ["conv"])["conv"]["channels"] == 32
     with pytest.raises(SystemExit, match="MODEL.KEY=N"):
-        _sizes(parse_args(["--size", "conv.depth=3"]), ["conv"])
+        sizes_for(parse_args(["--size", "conv.depth=3"]), ["conv"])
 
 
 @pytest.mark.xla
@@ -111,13 +111,13 @@ def test_cli_smoke_run_writes_json_and_reports_crashes(tmp_path: Path) -> None:
 
 
 def test_the_sharded_model_takes_a_divisible_batch_and_the_tools_that_run_on_xla() -> None:
-    from xla_wrap.bench._cli import _sizes, _variants_for
+    from xla_wrap.bench.cli import sizes_for, variants_for
 
     with pytest.raises(SystemExit, match=r"multiple of 4"):
-        _sizes(parse_args(["--size", "transformer-fsdpv2.batch=6"]), ["transformer-fsdpv2"])
+        sizes_for(parse_args(["--size", "transformer-fsdpv2.batch=6"]), ["transformer-fsdpv2"])
     every = ["none", "torch.utils.checkpoint", "torch_xla.utils.checkpoint", "xla_wrap"]
-    assert _variants_for("transformer", every) == every
-    assert _variants_for("transformer-fsdpv2", [*every, "xla_wrap scan"]) == [
+    assert variants_for("transformer", every) == every
+    assert variants_for("transformer-fsdpv2", [*every, "xla_wrap scan"]) == [
         "none",
         "torch_xla.utils.checkpoint",
         "xla_wrap",
@@ -126,19 +126,19 @@ def test_the_sharded_model_takes_a_divisible_batch_and_the_tools_that_run_on_xla
 
 
 def test_the_save_policy_and_scan_run_on_the_transformer_and_comparisons_on_request() -> None:
-    from xla_wrap.bench._cli import _DEFAULT_VARIANTS, _variants_for
+    from xla_wrap.bench.cli import DEFAULT_VARIANTS, variants_for
 
-    default = _DEFAULT_VARIANTS.split(",")
+    default = DEFAULT_VARIANTS.split(",")
     assert "xla_wrap dots_saveable" in default and "xla_wrap scan" in default
     assert "xla_wrap reentrant" not in default and "torch_xla scan_layers" not in default
     for variant in ("xla_wrap dots_saveable", "xla_wrap scan"):
-        assert variant in _variants_for("transformer", default)
-        assert variant not in _variants_for("conv", default)
+        assert variant in variants_for("transformer", default)
+        assert variant not in variants_for("conv", default)
 
 
 def test_the_transformer_can_keep_its_mask_as_a_buffer_with_the_same_loss() -> None:
-    from xla_wrap.bench._cli import QUICK_SIZES
-    from xla_wrap.bench._models import build
+    from xla_wrap.bench.cli import QUICK_SIZES
+    from xla_wrap.bench.models import build
 
     as_argument = build("transformer", QUICK_SIZES["transformer"])
     as_buffer = build("transformer", {**QUICK_SIZES["transformer"], "mask_buffer": 1})
@@ -154,11 +154,11 @@ def test_the_transformer_can_keep_its_mask_as_a_buffer_with_the_same_loss() -> N
 
 
 def test_the_depth_sweep_runs_loops_against_scans_at_each_depth() -> None:
-    from xla_wrap.bench._cli import _groups
-    from xla_wrap.bench._variants import DEPTH_VARIANTS
+    from xla_wrap.bench.cli import variant_groups
+    from xla_wrap.bench.variants import DEPTH_VARIANTS
 
     args = parse_args(["--depth", "12,48"])
-    groups = _groups(args, ["transformer"], ["none"], explicit=False)
+    groups = variant_groups(args, ["transformer"], ["none"], explicit=False)
     assert [(label, model) for label, model, _, _ in groups] == [
         ("transformer, 12 blocks", "transformer"),
         ("transformer, 48 blocks", "transformer"),
@@ -168,7 +168,7 @@ def test_the_depth_sweep_runs_loops_against_scans_at_each_depth() -> None:
         assert sizes["dropout_pct"] == 0  # torch_xla's scan_layers crashes with Dropout
         assert variants == list(DEPTH_VARIANTS)
     chosen = parse_args(["--depth", "4", "--size", "transformer.dropout_pct=10"])
-    [(_, _, sizes, variants)] = _groups(chosen, ["transformer"], ["none", "xla_wrap"], True)
+    [(_, _, sizes, variants)] = variant_groups(chosen, ["transformer"], ["none", "xla_wrap"], True)
     assert sizes["dropout_pct"] == 10 and variants == ["none", "xla_wrap"]
     with pytest.raises(SystemExit):
         parse_args(["--depth", "12,0"])
@@ -178,7 +178,7 @@ def test_the_compile_section_measures_every_variant_in_one_process(tmp_path: Pat
     """``--compile``: inductor on the CPU; the checkpoints reach the compiler (tags, fewer
     bytes saved than without, PyTorch's own bytes), dots_saveable recomputes no matmul, and
     every variant's gradients are the uncheckpointed compiled model's."""
-    from xla_wrap.bench._cli import main
+    from xla_wrap.bench.cli import main
 
     assert main(["--compile", "--quick", "--steps", "1", "--out", str(tmp_path)]) == 0
     runs = {r["variant"]: r for r in json.loads((tmp_path / "compile.json").read_text())["runs"]}

@@ -1,8 +1,8 @@
-"""SPMD FSDPv2 on a 4-device virtual XLA:CPU mesh, for tests/test_fsdp_spmd.py.
+"""SPMD FSDPv2 on a 4-device virtual XLA:CPU mesh, for tests/fsdp/test_fsdp_spmd.py.
 
 SPMD must be switched on before the process makes its first XLA tensor, and tests/conftest.py
 makes one at import, so the test runs this file in a fresh process
-(``python tests/_spmd_fsdp_worker.py OUT.json``). It is not a test module and never imports
+(``python tests/workers/spmd_fsdp.py OUT.json``). It is not a test module and never imports
 conftest. Barriers are kept and XLA dumps what it compiles, so the compiled peak and the
 all-gathers are read from XLA's own buffer assignment and optimized HLO.
 

@@ -17,7 +17,7 @@ import torch
 import xla_wrap
 from xla_wrap.introspect import saved_residuals
 
-from ._models import Workload
+from .models import Workload
 
 
 def estimated_floor(workload: Workload, checkpointed: Iterable[int]) -> int:

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from _workers import run_worker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -19,6 +18,7 @@ import xla_wrap
 from xla_wrap import checkpoint_policies as cp
 from xla_wrap import internal, introspect
 
+from _workers import WORKERS, run_worker
 from models import sync
 
 WIDTH = 16
@@ -642,7 +642,7 @@ def test_xla_fsdp_v1_units_are_refused(xla_device: torch.device) -> None:
 
 # --- SPMD FSDPv2 ------------------------------------------------------------------------------
 
-FSDPV2_WORKER = Path(__file__).with_name("_scan_fsdpv2_worker.py")
+FSDPV2_WORKER = WORKERS / "scan_fsdpv2.py"
 # Each scanned composition, and FSDPv2 alone on the same model.
 SCANNED_UNDER_FSDPV2 = {
     "fsdpv2 units, scanned": "fsdpv2",

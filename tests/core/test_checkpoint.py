@@ -351,7 +351,7 @@ def test_recomputation_with_a_different_structure_is_refused() -> None:
         return (x * 2, x * 3) if xla_wrap.is_recomputing() else [x * 2, x * 3]
 
     # The reentrant engine checks the outputs (the non-reentrant one, what its graph saved:
-    # tests/test_nonreentrant.py).
+    # tests/core/test_nonreentrant.py).
     out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True), use_reentrant=True)
     with pytest.raises(xla_wrap.CheckpointError, match=r"^xla_wrap.checkpoint: the recomputation"):
         sum(o.sum() for o in out).backward()

@@ -1,6 +1,6 @@
-"""One rank of tests/test_fsdp_eager.py: PyTorch's eager FSDP on CPU over gloo, with xla_wrap.
+"""One rank of tests/fsdp/test_fsdp_eager.py: PyTorch's eager FSDP on CPU over gloo, with xla_wrap.
 
-The test starts this file twice (``python tests/_fsdp_eager_worker.py RESULTS_DIR [NAME...]``)
+The test starts this file twice (``python tests/workers/fsdp_eager.py RESULTS_DIR [NAME...]``)
 with torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). It is not a test
 module (pytest collects ``test_*.py`` only), so it never imports tests/conftest.py and neither
 needs nor loads torch_xla.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import introspect
-from ._models import TransformerBlock, Workload, build
+from .models import TransformerBlock, Workload, build
 
 VARIANTS = ("none", "torch checkpoint_wrapper", "xla_wrap", "xla_wrap dots_saveable")
 _MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
