@@ -18,9 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository
 WORKERS = ROOT / "tests" / "workers"  # the worker scripts
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process: this one's without the session's XLA flags and
+    device count, with tests/ on the path for the shared models (tests/models.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
+    paths = [str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
 def run_worker(script: Path, out: Path, timeout: float = 300) -> dict[str, Any]:
     """Run ``python script out`` in a fresh process and return the JSON it wrote to ``out``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CPU_NUM_DEVICES")}
+    env = worker_env()
     proc = subprocess.run(
         [sys.executable, str(script), str(out)],
         env=env,

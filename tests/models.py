@@ -4,7 +4,7 @@ seconds, and equal shapes let tests share compiled programs)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -93,6 +93,22 @@ def assert_same(
             assert torch.equal(expected[key], got[key]), key
         else:
             torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+class Net(nn.Module):
+    """Blocks in an ``nn.ModuleList`` and a linear head, the output summed: the model the FSDP
+    tests shard unit by unit. Keyword arguments, given here or in the call, go to every block."""
+
+    def __init__(self, blocks: Iterable[nn.Module], width: int, **block_kwargs: Any) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(width, 1)
+        self.block_kwargs = block_kwargs
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, **self.block_kwargs, **kwargs)
+        return self.head(x).sum()
 
 
 def wrap_blocks(model: nn.Module, **options: Any) -> None:

@@ -23,7 +23,7 @@ from ._core.wrapper import CheckpointWrapper as CheckpointWrapper
 from ._core.wrapper import checkpoint_wrapper as checkpoint_wrapper
 from ._core.wrapper import unwrap as unwrap
 from ._paths.compiled.openxla import openxla_backend as openxla_backend
-from ._plan.plan import CheckpointPlan as CheckpointPlan
+from ._plan.checkpoint_plan import CheckpointPlan as CheckpointPlan
 from ._plan.planner import plan_checkpointing as plan_checkpointing
 from ._scan.loops import scan_layers as scan_layers
 from ._scan.module_list import ScannedLayers as ScannedLayers

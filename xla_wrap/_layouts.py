@@ -50,3 +50,8 @@ def names_without_wrappers(model: nn.Module) -> dict[str, nn.Module]:
 
 # transformers: plain attributes that differ per layer by construction and only index a cache.
 LAYER_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number"})
+
+# torch.utils.checkpoint.checkpoint: the keywords it takes for itself (the rest go to the function).
+TORCH_CHECKPOINT_KEYWORDS = frozenset(
+    {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug"}
+)

@@ -15,19 +15,19 @@ Example:
     >>> print(program.total_mib, program.flops, program.count("opt-barrier"))  # doctest: +SKIP
 """
 
+from ._inspect.hlo import count_instructions as count_instructions
 from ._inspect.programs import CompiledProgram as CompiledProgram
 from ._inspect.programs import RecomputeCost as RecomputeCost
-from ._inspect.programs import Residual as Residual
 from ._inspect.programs import compiled_memory as compiled_memory
 from ._inspect.programs import compiled_programs as compiled_programs
-from ._inspect.programs import count_instructions as count_instructions
 from ._inspect.programs import dump_directory as dump_directory
 from ._inspect.programs import enable_compile_dumps as enable_compile_dumps
-from ._inspect.programs import format_residuals as format_residuals
 from ._inspect.programs import hlo_flops as hlo_flops
 from ._inspect.programs import pending_hlo as pending_hlo
 from ._inspect.programs import recompute_cost as recompute_cost
-from ._inspect.programs import saved_residuals as saved_residuals
+from ._inspect.residuals import Residual as Residual
+from ._inspect.residuals import format_residuals as format_residuals
+from ._inspect.residuals import saved_residuals as saved_residuals
 from ._paths.compiled.graphs import PartitionedGraphs as PartitionedGraphs
 
 __all__ = [

@@ -15,21 +15,15 @@ import xla_wrap
 from xla_wrap import fsdp
 from xla_wrap import wrap_policies as wp
 
+import models
 from models import BATCH, WIDTH, Block
 
 pytestmark = pytest.mark.xla
 
 
-class Net(nn.Module):
+class Net(models.Net):
     def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x, scale=0.5)
-        return self.head(x).sum()
+        super().__init__((Block() for _ in range(3)), WIDTH, scale=0.5)
 
 
 def _per_block(order: str) -> Callable[[Net, torch.device], nn.Module]:

@@ -103,7 +103,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         WORLD_SIZE=str(WORLD_SIZE),
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p),
+        PYTHONPATH=os.pathsep.join(
+            p for p in (env.get("PYTHONPATH"), str(ROOT / "tests"), str(ROOT)) if p
+        ),
     )
     start = time.monotonic()
     processes, logs = [], []

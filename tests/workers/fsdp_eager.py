@@ -1,7 +1,8 @@
 """One rank of tests/fsdp/test_fsdp_eager.py: PyTorch's eager FSDP on CPU over gloo, with xla_wrap.
 
-The test starts this file twice (``python tests/workers/fsdp_eager.py RESULTS_DIR [NAME...]``)
-with torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). It is not a test
+The test starts this file twice
+(``PYTHONPATH=tests python tests/workers/fsdp_eager.py RESULTS_DIR [NAME...]``) with torchrun's
+environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). It is not a test
 module (pytest collects ``test_*.py`` only), so it never imports tests/conftest.py and neither
 needs nor loads torch_xla.
 
@@ -35,6 +36,8 @@ from torch import nn
 import xla_wrap
 from xla_wrap import fsdp, wrap_policies
 
+import models
+
 WIDTH = 16
 BATCH = 4
 DEPTH = 3
@@ -57,16 +60,9 @@ class Block(nn.Module):
         return x + self.drop(self.act(self.linear(x)))
 
 
-class Net(nn.Module):
+class Net(models.Net):
     def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).sum()
+        super().__init__((Block() for _ in range(DEPTH)), WIDTH)
 
 
 # --- FSDP2: torch.distributed.fsdp.fully_shard ---------------------------------------------

@@ -1,6 +1,6 @@
 """A scanned stack under SPMD FSDPv2 on a 4-device virtual XLA:CPU mesh, for
 tests/scan/test_scan.py (SPMD must be on before the process's first XLA tensor, so this runs in a
-fresh process: ``python tests/workers/scan_fsdpv2.py OUT.json``).
+fresh process: ``PYTHONPATH=tests python tests/workers/scan_fsdpv2.py OUT.json``).
 
 Each composition builds the same model from the same seed and runs one training step: the
 loss, the FLOPs per device, the gradients by parameter name, and the sharding of every
@@ -33,6 +33,8 @@ import xla_wrap
 from xla_wrap import internal, introspect
 from xla_wrap.bench.models import TransformerStack, causal_mask
 
+import models
+
 introspect.enable_compile_dumps()  # FLOPs per device, read from the compiled step
 xr.use_spmd()  # before any XLA tensor exists
 
@@ -49,16 +51,9 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x))) * scale
 
 
-class Net(nn.Module):
+class Net(models.Net):
     def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x, scale=scale)
-        return self.head(x).sum()
+        super().__init__((Block() for _ in range(DEPTH)), WIDTH)
 
 
 def _units(net: nn.Module) -> nn.Module:
@@ -109,7 +104,7 @@ def run(build: Callable[[Any], nn.Module], mesh: Any, transformer: bool = False)
     losses = []
 
     def step() -> None:
-        loss = model(x, mask=mask) if transformer else model(x, scale)
+        loss = model(x, mask=mask) if transformer else model(x, scale=scale)
         loss.backward()
         torch_xla.sync()
         losses.append(loss)

@@ -2,9 +2,9 @@
 
 SPMD must be switched on before the process makes its first XLA tensor, and tests/conftest.py
 makes one at import, so the test runs this file in a fresh process
-(``python tests/workers/spmd_fsdp.py OUT.json``). It is not a test module and never imports
-conftest. Barriers are kept and XLA dumps what it compiles, so the compiled peak and the
-all-gathers are read from XLA's own buffer assignment and optimized HLO.
+(``PYTHONPATH=tests python tests/workers/spmd_fsdp.py OUT.json``). It is not a test module and
+never imports conftest. Barriers are kept and XLA dumps what it compiles, so the compiled peak
+and the all-gathers are read from XLA's own buffer assignment and optimized HLO.
 
 Each composition builds the same 4-block model from the same seed, runs one training step with
 the same Dropout seed, and records: the loss, the gradients by parameter name, which calls of
@@ -46,6 +46,8 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
 import xla_wrap
 from xla_wrap import fsdp, internal, introspect, wrap_policies
 
+import models
+
 introspect.enable_compile_dumps()
 xr.use_spmd()  # before any XLA tensor exists
 
@@ -65,16 +67,9 @@ class Block(nn.Module):
         return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-class Net(nn.Module):
+class Net(models.Net):
     def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).sum()
+        super().__init__((Block() for _ in range(DEPTH)), WIDTH)
 
 
 def _auto(unit: Callable[..., nn.Module] | None) -> Callable[[Net], nn.Module]:

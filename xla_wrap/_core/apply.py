@@ -145,22 +145,23 @@ def _from_fsdp_policy(api: str, policy: Any, model: nn.Module) -> Callable[[nn.M
     return check
 
 
-def _resolved(api: str, policy: WrapPolicy, model: nn.Module) -> Callable[[nn.Module], bool]:
-    """Turn a policy into the per-module test for ``model``, refusing what cannot be done."""
-    selected = policy.select(model)
+def _resolved(api: str, wrap_policy: WrapPolicy, model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Turn a wrap policy into the per-module test for ``model``, refusing what cannot be done."""
+    selected = wrap_policy.select(model)
     if any(module is model for _, module in selected):
         raise CheckpointValueError(
-            f"{api}: the policy {policy!r} selects the model itself "
+            f"{api}: the wrap policy {wrap_policy!r} selects the model itself "
             f"({type(model).__name__}): checkpointing all of it keeps only its inputs and "
-            "recomputes the whole forward. Narrow the policy to its submodules, or, if that is "
-            "what you want, wrap the model yourself: `xla_wrap.checkpoint_wrapper(model)`."
+            "recomputes the whole forward. Narrow the wrap policy to its submodules, or, if that "
+            "is what you want, wrap the model yourself: `xla_wrap.checkpoint_wrapper(model)`."
         )
     for hook in _hooks.installed():
-        hook.check_selection(api, policy, model, [module for _, module in selected])
+        hook.check_selection(api, wrap_policy, model, [module for _, module in selected])
     if not selected:
         warnings.warn(
-            f"{api}: the policy {policy!r} selects no submodule of {type(model).__name__}; "
-            "nothing is checkpointed. Check the classes, names or sizes it looks for.",
+            f"{api}: the wrap policy {wrap_policy!r} selects no submodule of "
+            f"{type(model).__name__}; nothing is checkpointed. Check the classes, names or "
+            "sizes it looks for.",
             stacklevel=3,
         )
     for _, module in selected:  # refuse before anything is wrapped

@@ -26,9 +26,9 @@ class CheckpointHook:
         """Raise if ``module`` must not be checkpointed; called before anything is wrapped."""
 
     def check_selection(
-        self, api: str, policy: object, model: nn.Module, selected: Sequence[nn.Module]
+        self, api: str, wrap_policy: object, model: nn.Module, selected: Sequence[nn.Module]
     ) -> None:
-        """Raise if a wrap ``policy`` selecting ``selected`` in ``model`` is a mistake."""
+        """Raise if a ``wrap_policy`` selecting ``selected`` in ``model`` is a mistake."""
 
     def on_forward(self, outputs: Sequence[torch.Tensor]) -> object:
         """What to remember about the output tensors of one checkpointed forward. The value

@@ -64,8 +64,8 @@ class CheckpointWrapper(nn.Module):
 
     @property
     def checkpoint_module(self) -> nn.Module:
-        """The checkpointed module: this module itself (kept for code written against the
-        0.1 proxy, where it was the wrapped module)."""
+        """The checkpointed module, which is this module itself: the wrapper is the module, not
+        a box around it. Code that asks a wrapper for its module gets the right answer."""
         return self
 
     @property
@@ -121,6 +121,13 @@ class CheckpointWrapper(nn.Module):
         if "_checkpoint_base" not in cls.__dict__:
             return (_new_of_class, (cls,), self.__getstate__())
         return (_new_checkpointed, (cls._checkpoint_base,), self.__getstate__())
+
+
+def unwrapped_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` has without checkpointing (its own class if it is not wrapped)."""
+    if isinstance(module, CheckpointWrapper):
+        return type(module)._checkpoint_base
+    return type(module)
 
 
 def checkpointed_class(base: type[nn.Module]) -> type[CheckpointWrapper]:

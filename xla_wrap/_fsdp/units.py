@@ -17,7 +17,7 @@ from .._core.recompute import ForwardRecord
 from .._core.wrapper import checkpoint_wrapper
 from .._layouts import is_fsdp_unit as is_unit
 from .._paths import xla as _xla
-from .._plan.plan import CheckpointPlan
+from .._plan.checkpoint_plan import CheckpointPlan
 from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
 from .._support.tree import Flat
 from ..wrap_policies import WrapPolicy
@@ -127,20 +127,20 @@ class _EagerFsdpUnits(_hooks.CheckpointHook):
             )
 
     def check_selection(
-        self, api: str, policy: object, model: nn.Module, selected: Sequence[nn.Module]
+        self, api: str, wrap_policy: object, model: nn.Module, selected: Sequence[nn.Module]
     ) -> None:
-        """Refuse a policy that selects nothing in a model FSDP has wrapped: FSDP flattened
-        and renamed what the policy looks for."""
+        """Refuse a wrap policy that selects nothing in a model FSDP has wrapped: FSDP flattened
+        and renamed what the wrap policy looks for."""
         units = [] if selected else fsdp_units(model)
         if units:
             raise CheckpointValueError(
-                f"{api}: the policy {policy!r} selects nothing in a model that FSDP has "
+                f"{api}: the wrap policy {wrap_policy!r} selects nothing in a model that FSDP has "
                 f"already wrapped (units at {format_units(units)}). FSDP flattens parameters "
                 "and renames submodules, which hides them from rules on size and names. "
                 "Checkpoint first, then shard: call apply_activation_checkpointing on the model "
                 "before FSDP wraps it, or let FSDP build each unit as "
                 "FSDP(checkpoint_wrapper(block)) with `auto_wrap_policy=xla_wrap.fsdp."
-                "auto_wrap_policy(policy, model), auto_wrapper_callable=xla_wrap.fsdp."
+                "auto_wrap_policy(wrap_policy, model), auto_wrapper_callable=xla_wrap.fsdp."
                 "auto_wrapper_callable()` (docs/fsdp.md)."
             )
 

@@ -19,28 +19,9 @@ from .._paths import xla as _xla
 from .._support.errors import CheckpointError, CheckpointValueError
 from .._support.flags import append_xla_flags, flag_values
 from . import hlo as _hlo
-from .residuals import Residual, format_residuals, saved_residuals
-
-__all__ = [
-    "CompiledProgram",
-    "RecomputeCost",
-    "Residual",
-    "compiled_memory",
-    "compiled_programs",
-    "count_instructions",
-    "dump_directory",
-    "enable_compile_dumps",
-    "format_residuals",
-    "hlo_flops",
-    "pending_hlo",
-    "recompute_cost",
-    "saved_residuals",
-]
 
 # module_0003.SyncTensorsGraph.412.cpu_after_optimizations-buffer-assignment.txt
 _BUFFER_ASSIGNMENT = re.compile(r"^(.*?)\.(?:\w+_)?after_optimizations-buffer-assignment\.txt$")
-
-count_instructions = _hlo.count_instructions
 
 
 def hlo_flops(hlo: str) -> int:

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from .._core.wrapper import CheckpointWrapper, checkpoint_in_place, unwrap
 from .._inspect import hlo as _hlo
 from .._inspect import programs as introspect
+from .._inspect import residuals as _residuals
 from .._layouts import LAYER_INDEX_ATTRIBUTES
 from .._paths import xla as _xla
 from .._scan.module_list import ScannedLayers
@@ -44,6 +45,7 @@ from .._support.errors import (
 )
 from .._support.state import process
 from ..wrap_policies import WrapPolicy
+from .checkpoint_plan import CheckpointPlan, options_for, summarize
 from .cost_model import (
     DOTS,
     FULL,
@@ -55,7 +57,6 @@ from .cost_model import (
     objective,
     solve,
 )
-from .plan import CheckpointPlan, options_for, summarize
 
 _API = "xla_wrap.plan_checkpointing"
 # Compiles of candidate plans after the two anchors: the model is corrected after each.
@@ -486,7 +487,7 @@ def _traced_cost(call: _Call) -> tuple[int, int]:
     and the FLOPs of its traced forward and backward. Nothing is executed."""
     args, kwargs = call.inputs()
     outputs: list[Any] = []
-    residuals = introspect.saved_residuals(
+    residuals = _residuals.saved_residuals(
         lambda *a, **k: outputs.append(call.module(*a, **k)), *args, **kwargs
     )
     kept = sum(r.nbytes for r in residuals if r.kind in ("input", "activation"))

@@ -87,10 +87,7 @@ def check_structure(
     """Refuse a layer built unlike layer 0 (with ``parameters``, also in its parameters: in
     stacked storage layer 0 holds all of them)."""
 
-    def base(module: nn.Module) -> type:
-        if isinstance(module, _wrapper.CheckpointWrapper):
-            return module._checkpoint_base
-        return type(module)
+    base = _wrapper.unwrapped_class
 
     def signature(module: nn.Module) -> tuple[tuple[object, ...], ...]:
         return (

@@ -33,7 +33,7 @@ from .._core.checkpoint import checkpoint, owning_modules, unpartial
 from .._core.options import options_from
 from .._core.wrapper import CheckpointWrapper, unwrap
 from .._paths import xla as _xla
-from .._plan.plan import CheckpointPlan
+from .._plan.checkpoint_plan import CheckpointPlan
 from .._scan.module_list import ScannedLayers, apply_scan, unscan
 from .._support.checks import is_int
 from .._support.errors import CheckpointTypeError, CheckpointValueError, describe

@@ -29,14 +29,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils import _pytree as pytree
 
 from ... import checkpoint_policies as cp
+from ..._layouts import TORCH_CHECKPOINT_KEYWORDS
 from ..._support.errors import CheckpointValueError
 from ..._support.warn import warn_once
 
 _NAME_OP = "xla_wrap::checkpoint_name"
-# Keywords torch.utils.checkpoint.checkpoint takes for itself.
-_CHECKPOINT_KEYWORDS = frozenset(
-    {"use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug"}
-)
 
 
 def compiling() -> bool:
@@ -63,7 +60,7 @@ def checkpoint(
             "use an offload policy (offload_these_names) on a torch with "
             "CheckpointPolicy.MUST_CPU_OFFLOAD."
         )
-    if any(k in _CHECKPOINT_KEYWORDS for k in kwargs):  # the function's, not torch's
+    if any(k in TORCH_CHECKPOINT_KEYWORDS for k in kwargs):  # the function's, not torch's
         function, kwargs = functools.partial(function, **kwargs), {}
     if policy is not None and policy is not cp.nothing_saveable:
         kwargs = {**kwargs, "context_fn": _context_fn(api, policy)}
