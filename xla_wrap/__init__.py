@@ -40,18 +40,15 @@ from ._support.state import is_recomputing as is_recomputing
 
 __version__ = "0.1.0"
 
-# Public classes name the public module: reprs, tracebacks and pickles then say
-# `xla_wrap.CheckpointError`, wherever the class lives inside the package.
+# The errors name the public module: tracebacks, `except` advice and pickles then say
+# `xla_wrap.CheckpointError`, wherever the class lives inside the package. (Not the annotated
+# classes: typing.get_type_hints resolves their annotations in the module they name.)
 for _public in (
     BarriersStrippedWarning,
     BudgetUnreachableError,
     CheckpointError,
-    CheckpointOptions,
-    CheckpointPlan,
     CheckpointTypeError,
     CheckpointValueError,
-    CheckpointWrapper,
-    ScannedLayers,
     XlaWrapError,
 ):
     _public.__module__ = __name__

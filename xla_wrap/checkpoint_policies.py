@@ -81,7 +81,7 @@ class Op:
     input_shapes: tuple[tuple[int, ...], ...] = ()
 
 
-SavePolicy = Callable[[Op], "bool | Decision"]
+SavePolicy = Callable[[Op], bool | Decision]
 
 #: The functions whose outputs :func:`dots_saveable` keeps: matrix products and convolutions.
 DOT_FUNCTIONS = frozenset(

@@ -1,4 +1,4 @@
-"""Checkpointing inside ``torch.compile`` (xla_wrap._compiled): every entry point compiles as
+"""Checkpointing inside ``torch.compile`` (xla_wrap/_paths/compiled/): every entry point compiles as
 one graph, reaches AOTAutograd as the checkpoint higher-order op (the partitioned forward
 saves what PyTorch's own checkpoint saves, the backward recomputes tagged nodes), and save
 policies become selective checkpointing, measured in the partitioned graphs."""

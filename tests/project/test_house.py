@@ -43,8 +43,8 @@ FACE_FLOOR = 9
 # The face for xla_wrap's own bench and tests, which re-exports names from private modules.
 SEMI_PUBLIC = {"xla_wrap.internal"}
 
-# Other libraries, and the modules (dotted prefixes) that may reach them: today's gateways
-# (``_xla`` for torch_xla; ``_compiled`` and ``_openxla`` for torch.compile), and the bench.
+# Other libraries, and the modules (dotted prefixes) that may reach them: the gateways
+# (``_paths.xla`` for torch_xla, ``_paths.compiled`` for torch.compile), and the bench.
 LIBRARIES: dict[str, tuple[str, ...]] = {
     "torch_xla": ("xla_wrap._paths.xla.", "xla_wrap.bench."),
     "torch._dynamo": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),

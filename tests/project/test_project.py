@@ -286,3 +286,19 @@ def _assert_same_curves_and_a_lower_peak(stdout: str, steps: int, **tolerance: f
     peaks = next(line for line in stdout.splitlines() if line.startswith("compiled peak"))
     plain_peak, our_peak = (float(part.split()[-1]) for part in peaks.split(":")[1].split(","))
     assert our_peak < plain_peak
+
+
+def test_public_classes_resolve_their_annotations_and_errors_pickle_by_the_public_name() -> None:
+    """Classes moved into rooms keep working with the tools that read them: typing resolves the
+    dataclasses' annotations (configuration tools do), and an error pickles and prints as
+    ``xla_wrap.CheckpointError`` wherever it lives."""
+    import pickle
+    import typing
+
+    import xla_wrap
+
+    assert "policy" in typing.get_type_hints(xla_wrap.CheckpointOptions)
+    assert "choices" in typing.get_type_hints(xla_wrap.CheckpointPlan)
+    error = pickle.loads(pickle.dumps(xla_wrap.CheckpointValueError("x")))
+    assert type(error) is xla_wrap.CheckpointValueError
+    assert f"{type(error).__module__}.{type(error).__qualname__}" == "xla_wrap.CheckpointValueError"

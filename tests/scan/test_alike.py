@@ -1,4 +1,4 @@
-"""A scanned stack computes what the loop computes, or refuses (xla_wrap._alike).
+"""A scanned stack computes what the loop computes, or refuses (xla_wrap/_scan/alike.py).
 
 A scan runs layer 0's module for every layer with each layer's parameters and buffers. Layers
 that differ in anything else their forward reads (an index, a scale, a list, a function, a

@@ -286,7 +286,7 @@ class _LayerStack:
 
     def watching(self, index: int = 0) -> Any:
         """Where layer ``index`` runs (the template on XLA: its forward, and the backward
-        through it): refuse reads of attributes in which the layers differ (_alike)."""
+        through it): refuse reads of attributes in which the layers differ (alike.py)."""
         return self.differences.watching(self.api, self.layers[index])
 
     def own_forward(self, index: int) -> Any:

@@ -25,9 +25,9 @@ def warn_once(
     """
     if key in process.warned:
         return
-    process.warned.add(key)
     level = caller_stacklevel() if stacklevel is None else stacklevel + 1
     warnings.warn(message, category, stacklevel=level)
+    process.warned.add(key)  # after: a warning turned into an error raises every time
 
 
 def caller_stacklevel() -> int:

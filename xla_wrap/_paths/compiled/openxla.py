@@ -92,7 +92,8 @@ def _with_barriers(
 
 def barrier_node(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The graph's barrier: the values unchanged, through one XLA optimization barrier."""
-    return tuple(xla.barriered(tensors, [False] * len(tensors)))
+    # XLA values are copied into the barrier, others pass as detached aliases (as before).
+    return tuple(xla.barriered(tensors, [not xla.is_xla_tensor(t) for t in tensors]))
 
 
 def place_barriers(graph_module: fx.GraphModule) -> int:
