@@ -50,9 +50,10 @@ def path_of(tensors: Iterable[torch.Tensor]) -> ExecutionPath:
 def barrier(tensors: Sequence[torch.Tensor], in_place: Sequence[bool]) -> list[torch.Tensor]:
     """Detached tensors equal to ``tensors``, each path's members through that path's barrier
     together (see :meth:`ExecutionPath.barrier`)."""
+    pairs = list(zip(tensors, in_place, strict=True))
     out = list(tensors)
     for path in PATHS:
-        picked = [i for i, t in enumerate(tensors) if device_path(t.device) is path]
+        picked = [i for i, (t, _) in enumerate(pairs) if device_path(t.device) is path]
         if picked:
             done = path.barrier([tensors[i] for i in picked], [in_place[i] for i in picked])
             for i, tensor in zip(picked, done, strict=True):
