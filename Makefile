@@ -9,7 +9,7 @@ LATEST_PY := $(LATEST)/bin/python
 LATEST_STAMP := $(LATEST)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: venv venv-latest test demo lint clean
+.PHONY: venv venv-latest test demo docs docs-serve dist lint clean
 
 venv: $(STAMP)
 venv-latest: $(LATEST_STAMP)
@@ -18,7 +18,7 @@ venv-latest: $(LATEST_STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[xla,fairscale,bench,hf,trl,lightning,examples,test,dev]'
+	$(PY) -m pip install --quiet -e '.[xla,fairscale,bench,hf,trl,lightning,examples,test,dev,docs,release]'
 	touch $(STAMP)
 
 # torch_xla has no build for the newest torch: this one runs what needs no torch_xla (eager
@@ -40,10 +40,25 @@ test: venv venv-latest
 demo: venv
 	$(PY) -m xla_wrap.bench --out bench-results
 
+# The documentation site (mkdocs.yml) into site/; --strict: a broken link or reference fails it.
+# Material for MkDocs prints an end-of-life notice (May 2027) on every build; CHANGELOG.md says
+# where the site goes next.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+# The sdist and wheel into dist/, checked as PyPI would.
+dist: venv
+	rm -rf dist
+	$(PY) -m build --outdir dist
+	$(PY) -m twine check --strict dist/*
+
 lint: venv
 	$(PY) -m ruff check xla_wrap tests examples
 	$(PY) -m ruff format --check xla_wrap tests examples
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(LATEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) site dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

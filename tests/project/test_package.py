@@ -1,0 +1,106 @@
+"""The package as it would be published: the sdist and wheel build without a deprecation warning
+of ours, pass `twine check`, and the wheel installs and works in a clean environment that has
+only torch."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _workers import ROOT
+
+pytest.importorskip("build", reason="the release tools: pip install -e '.[release]'")
+pytest.importorskip("twine", reason="the release tools: pip install -e '.[release]'")
+
+# The torch the clean environment gets. Any torch>=2.4 does; this one is the CPU wheel this
+# kind of machine keeps on disk (pip's find-links), so the install takes seconds, not gigabytes.
+CLEAN_TORCH = os.environ.get("XLA_WRAP_TEST_TORCH", "torch==2.13.0")
+
+_SMOKE = """
+import warnings
+import torch
+warnings.simplefilter("error")  # a warning on importing or using xla_wrap fails the check
+import xla_wrap
+block = xla_wrap.checkpoint_wrapper(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout()))
+x = torch.randn(2, 4, requires_grad=True)
+block(x).sum().backward()
+assert x.grad is not None and block[0].weight.grad is not None
+import importlib.metadata as md
+print(xla_wrap.__version__, md.version("xla_wrap"), md.metadata("xla_wrap")["License-Expression"])
+"""
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()  # as PEP 503 compares names
+
+
+def _run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, **kwargs)
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    build = _run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)])
+    build_log = build.stdout + build.stderr
+    # setuptools warned on every build while the license was a table; nothing of ours may warn.
+    for line in build_log.splitlines():
+        assert "DeprecationWarning" not in line and "deprecated" not in line.lower(), line
+    return out
+
+
+@pytest.mark.subprocess
+def test_the_sdist_and_wheel_pass_twine_check(dist: Path) -> None:
+    built = sorted(p.name for p in dist.iterdir())
+    import xla_wrap
+
+    version = xla_wrap.__version__
+    assert built == [f"xla_wrap-{version}-py3-none-any.whl", f"xla_wrap-{version}.tar.gz"]
+    done = _run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dist.iterdir())])
+    assert done.stdout.count("PASSED") == 2, done.stdout
+
+
+@pytest.mark.subprocess
+def test_the_wheel_carries_the_license_the_types_and_no_tests(dist: Path) -> None:
+    (wheel,) = dist.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "xla_wrap/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    assert not [n for n in names if n.startswith(("tests/", "docs/", "examples/"))]
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA")))
+    assert b"License-Expression: BSD-3-Clause" in metadata
+    assert b"Requires-Dist: torch>=2.4\n" in metadata  # the one dependency outside extras
+
+
+@pytest.mark.subprocess
+def test_the_wheel_installs_and_works_where_only_torch_is(dist: Path, tmp_path: Path) -> None:
+    (wheel,) = dist.glob("*.whl")
+    env_dir = tmp_path / "clean"
+    venv.create(env_dir, with_pip=True)
+    python = str(env_dir / "bin" / "python")
+    _run([python, "-m", "pip", "install", "--quiet", str(wheel), CLEAN_TORCH])
+    installed = _run([python, "-m", "pip", "list", "--format=freeze"]).stdout
+    names = {_normalized(line.split("==")[0]) for line in installed.splitlines()}
+    # torch and what torch itself needs; nothing else came with xla_wrap.
+    torch_needs = _run([python, "-m", "pip", "show", "torch"]).stdout
+    required = next(line for line in torch_needs.splitlines() if line.startswith("Requires:"))
+    allowed = {"pip", "setuptools", "torch", "xla-wrap"}
+    allowed |= {_normalized(n) for n in required.split(":", 1)[1].split(",") if n.strip()}
+    allowed |= {"mpmath", "markupsafe"}  # sympy's and jinja2's own
+    assert names <= allowed, names - allowed
+    # Run away from the checkout, so that the installed package is the one imported.
+    done = _run([python, "-c", _SMOKE], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+    import xla_wrap
+
+    assert done.stdout.split() == [xla_wrap.__version__, xla_wrap.__version__, "BSD-3-Clause"]
+    assert "xla_wrap" not in done.stderr, done.stderr  # torch may warn (no NumPy here); we may not
