@@ -82,5 +82,5 @@ __all__ = [
     "scan_layers",
     "unscan",
     "unwrap",
-    "wrap",
+    "wrap_policies",
 ]

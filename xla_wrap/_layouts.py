@@ -26,13 +26,13 @@ WRAPPED_CHILDREN = ("_orig_module", "_fsdp_wrapped_module", "_checkpoint_wrapped
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
-    """Whether ``module`` is a unit of any FSDP (its class or a base named like FSDP's)."""
+    """Whether `module` is a unit of any FSDP (its class or a base named like FSDP's)."""
     return any(cls.__name__ in FSDP_CLASS_NAMES for cls in type(module).__mro__)
 
 
 def names_without_wrappers(model: nn.Module) -> dict[str, nn.Module]:
-    """Every submodule under its name without FSDP's wrapper segments (``blocks.0``, not
-    ``blocks.0._fsdp_wrapped_module`` or ``blocks.0.module``); first name wins."""
+    """Every submodule under its name without FSDP's wrapper segments (`blocks.0`, not
+    `blocks.0._fsdp_wrapped_module` or `blocks.0.module`); first name wins."""
     names: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         parts = name.split(".") if name else []

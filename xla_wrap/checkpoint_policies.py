@@ -1,22 +1,28 @@
 """Save policies: which values of a checkpointed forward are kept for backward, and which are
-recomputed. The names are JAX's (``jax.checkpoint_policies``), except ``offload_these_names``,
-a shorthand of ours; ``dots_saveable`` also keeps convolutions, which PyTorch users count
+recomputed. The names are JAX's (`jax.checkpoint_policies`), except `offload_these_names`,
+a shorthand of ours; `dots_saveable` also keeps convolutions, which PyTorch users count
 among the expensive products.
 
 A policy is called once per operation of the checkpointed forward that computes a
-differentiable value (``linear``, ``matmul``, ``gelu``, ... as the block calls them through
-``torch`` and ``torch.nn.functional``) and once per value tagged with
-:func:`xla_wrap.checkpoint_name`. It receives an :class:`Op` and returns ``True`` (keep the
-value in device memory), ``False`` (recompute it), or a :class:`Decision`. The values kept join
-the checkpoint's inputs: in backward they go through the same optimization barrier and the
-recomputation reads them instead of computing them, so on XLA the work that produced them is
-not repeated. In-place operations and views are never kept: they cost nothing to recompute.
+differentiable value (`linear`, `matmul`, `gelu`, ... as the block calls them through
+`torch` and `torch.nn.functional`) and once per value tagged with
+[`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name]. It receives an
+[`Op`][xla_wrap.checkpoint_policies.Op] and returns `True` (keep the value in device memory),
+`False` (recompute it), or a [`Decision`][xla_wrap.checkpoint_policies.Decision]. The values
+kept join the checkpoint's inputs: in backward they go through the same optimization barrier
+and the recomputation reads them instead of computing them, so on XLA the work that produced
+them is not repeated. In-place operations and views are never kept: they cost nothing to
+recompute.
 
-Pass a policy as ``policy=`` to :func:`xla_wrap.checkpoint`, :func:`xla_wrap.checkpoint_wrapper`
-or :func:`xla_wrap.apply_activation_checkpointing`, either as a function from this module or by
-its name (``policy="dots_saveable"``). docs/policies.md shows what each one costs.
+Pass a policy as `policy=` to [`xla_wrap.checkpoint()`][xla_wrap.checkpoint],
+[`xla_wrap.checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper] or
+[`xla_wrap.apply_activation_checkpointing()`][xla_wrap.apply_activation_checkpointing], either
+as a function from this module or, for the four policies that take no arguments
+(`nothing_saveable`, `everything_saveable`, `dots_saveable`,
+`dots_with_no_batch_dims_saveable`), by its name (`policy="dots_saveable"`). docs/policies.md
+shows what each one costs.
 
-Example:
+Examples:
     >>> import torch, xla_wrap
     >>> from xla_wrap import checkpoint_policies as cp
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
@@ -53,11 +59,22 @@ __all__ = [
 
 
 class Decision(enum.Enum):
-    """What to do with one value of the forward."""
+    """What to do with one value of the forward.
+
+    A policy's answer where `True` (keep) and `False` (recompute) do not say enough.
+
+    Examples:
+        >>> from xla_wrap.checkpoint_policies import Decision, Op
+        >>> def offload_attention(op: Op) -> Decision:
+        ...     return Decision.OFFLOAD if op.name == "attn" else Decision.RECOMPUTE
+    """
 
     RECOMPUTE = "recompute"
-    SAVE = "save"  # keep it in device memory
-    OFFLOAD = "offload"  # keep it in host memory (docs/offload.md)
+    """Recompute the value in backward (what a policy's `False` means)."""
+    SAVE = "save"
+    """Keep the value in device memory until backward (what a policy's `True` means)."""
+    OFFLOAD = "offload"
+    """Keep the value in host memory until backward (docs/offload.md)."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +82,13 @@ class Op:
     """One value of a checkpointed forward, as a policy sees it.
 
     Attributes:
-        function: The name of the torch function that computed it (``"linear"``, ``"matmul"``
-            for ``a @ b``, ``"conv2d"``, ``"gelu"``), or ``"checkpoint_name"`` for a tagged value.
-        name: The tag given with :func:`xla_wrap.checkpoint_name`; ``None`` for operations.
+        function: The name of the torch function that computed it (`"linear"`, `"matmul"`
+            for `a @ b`, `"conv2d"`, `"gelu"`), or `"checkpoint_name"` for a tagged value.
+        name: The tag given with [`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name];
+            `None` for operations.
         shapes: The shape of each tensor the operation returned (empty inside
-            ``torch.compile``, where a policy is asked before the operation runs).
-        nbytes: Their total size in bytes (0 inside ``torch.compile``).
+            `torch.compile`, where a policy is asked before the operation runs).
+        nbytes: Their total size in bytes (0 inside `torch.compile`).
         input_shapes: The shape of each tensor the operation took, in order.
     """
 
@@ -82,8 +100,10 @@ class Op:
 
 
 SavePolicy = Callable[[Op], bool | Decision]
+"""The type of a save policy: a callable that takes an [`Op`][xla_wrap.checkpoint_policies.Op]
+and returns `True` (keep the value on the device), `False` (recompute it) or a
+[`Decision`][xla_wrap.checkpoint_policies.Decision]."""
 
-#: The functions whose outputs :func:`dots_saveable` keeps: matrix products and convolutions.
 DOT_FUNCTIONS = frozenset(
     {
         "linear",
@@ -110,35 +130,86 @@ DOT_FUNCTIONS = frozenset(
         "_convolution",
     }
 )
+"""The functions whose outputs [`dots_saveable()`][xla_wrap.checkpoint_policies.dots_saveable]
+keeps: matrix products and convolutions, by the names a policy sees in
+[`Op.function`][xla_wrap.checkpoint_policies.Op]."""
 
 
 def nothing_saveable(op: Op) -> bool:
-    """Recompute everything: the block keeps only its inputs (the default)."""
+    """Recompute everything: the block keeps only its inputs (the default).
+
+    Args:
+        op: The value asked about (not looked at).
+
+    Returns:
+        `False`, for every value.
+    """
     return False
 
 
 def everything_saveable(op: Op) -> bool:
-    """Keep everything: no recomputation, and no memory saved. Exactly a plain call."""
+    """Keep everything: no recomputation, and no memory saved. Exactly a plain call.
+
+    Args:
+        op: The value asked about (not looked at).
+
+    Returns:
+        `True`, for every value.
+    """
     return True
 
 
 def dots_saveable(op: Op) -> bool:
-    """Keep the outputs of matrix products and convolutions (:data:`DOT_FUNCTIONS`); recompute
-    the cheap elementwise work around them (normalization, activations, softmax, Dropout)."""
+    """Keep the outputs of matrix products and convolutions; recompute the rest.
+
+    The products and convolutions are those of
+    [`DOT_FUNCTIONS`][xla_wrap.checkpoint_policies.DOT_FUNCTIONS]; what is recomputed is the
+    cheap elementwise work around them (normalization, activations, softmax, Dropout).
+
+    Args:
+        op: The value asked about.
+
+    Returns:
+        Whether `op.function` is one of `DOT_FUNCTIONS` (tagged values are recomputed).
+
+    Examples:
+        >>> from xla_wrap.checkpoint_policies import Op, dots_saveable
+        >>> dots_saveable(Op("linear", None, ((2, 8),), 64))
+        True
+        >>> dots_saveable(Op("gelu", None, ((2, 8),), 64))
+        False
+    """
     return op.function in DOT_FUNCTIONS
 
 
-#: Matrix products without batch dimensions whatever their operands; ``matmul`` and ``einsum``
-#: have batch dimensions when two operands have three or more dimensions.
+# Matrix products without batch dimensions whatever their operands; `matmul` and `einsum`
+# have batch dimensions when two operands have three or more dimensions.
 _DOTS_WITHOUT_BATCH = frozenset({"linear", "mm", "addmm", "mv", "addmv", "dot", "tensordot"})
 _DOTS_MAYBE_BATCHED = frozenset({"matmul", "einsum"})
 
 
 def dots_with_no_batch_dims_saveable(op: Op) -> bool:
-    """Keep the outputs of matrix products without batch dimensions (JAX's policy of the same
-    name): a layer's ``linear`` and ``x @ w`` with a 2-D ``w``, but not attention's
-    ``q @ k.T`` or ``bmm``, whose outputs grow with the sequence length squared. Convolutions
-    are recomputed."""
+    """Keep the outputs of matrix products without batch dimensions.
+
+    JAX's policy of the same name: a layer's `linear` and `x @ w` with a 2-D `w`, but not
+    attention's `q @ k.T` or `bmm`, whose outputs grow with the sequence length squared.
+    Convolutions are recomputed.
+
+    Args:
+        op: The value asked about; for `matmul` and `einsum` its `input_shapes` decide.
+
+    Returns:
+        Whether `op` is the output of a matrix product without batch dimensions: `linear`,
+        `mm`, `addmm`, `mv`, `addmv`, `dot` and `tensordot` always, `matmul` and `einsum`
+        when at most one operand has three or more dimensions.
+
+    Examples:
+        >>> from xla_wrap.checkpoint_policies import Op, dots_with_no_batch_dims_saveable
+        >>> x_w = Op("matmul", None, ((2, 16, 8),), 1024, input_shapes=((2, 16, 4), (4, 8)))
+        >>> q_k = Op("matmul", None, ((2, 16, 16),), 2048, input_shapes=((2, 16, 4), (2, 4, 16)))
+        >>> dots_with_no_batch_dims_saveable(x_w), dots_with_no_batch_dims_saveable(q_k)
+        (True, False)
+    """
     if op.function in _DOTS_WITHOUT_BATCH:
         return True
     if op.function in _DOTS_MAYBE_BATCHED:
@@ -149,8 +220,26 @@ def dots_with_no_batch_dims_saveable(op: Op) -> bool:
 def offload_dot_with_no_batch_dims(
     offload_src: str = "device", offload_dst: str = "pinned_host"
 ) -> SavePolicy:
-    """Keep in host memory what :func:`dots_with_no_batch_dims_saveable` keeps (JAX's policy
-    of the same name; the memory kinds are JAX's, and the only ones there are here)."""
+    """Keep in host memory the outputs of matrix products without batch dimensions.
+
+    What
+    [`dots_with_no_batch_dims_saveable()`][xla_wrap.checkpoint_policies.dots_with_no_batch_dims_saveable]
+    keeps goes to host memory, and the rest is recomputed (JAX's policy of the same name; the
+    memory kinds are JAX's, and the only ones there are here).
+
+    Args:
+        offload_src: Where the values are: `"device"`, the only value accepted.
+        offload_dst: Where they go: `"pinned_host"` (the default) or `"unpinned_host"`.
+            Both mean host memory; which kind is chosen per backend (pinned memory on CUDA,
+            docs/offload.md), not by this argument.
+
+    Returns:
+        The policy, which answers `Decision.OFFLOAD` or `Decision.RECOMPUTE`.
+
+    Raises:
+        CheckpointValueError: If `offload_src` is not `"device"` or `offload_dst` is not
+            `"pinned_host"` or `"unpinned_host"`.
+    """
     api = "xla_wrap.checkpoint_policies.offload_dot_with_no_batch_dims"
     if offload_src != "device" or offload_dst not in ("pinned_host", "unpinned_host"):
         raise CheckpointValueError(
@@ -168,8 +257,28 @@ class _OffloadDotsWithoutBatch:
 
 
 def save_any_names_but_these(*names: str) -> SavePolicy:
-    """Keep every value tagged with :func:`xla_wrap.checkpoint_name` except those tagged with
-    one of ``names`` (JAX's policy of the same name)."""
+    """Keep every tagged value except those tagged with one of `names`.
+
+    Tags are given with [`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name]; untagged
+    values are recomputed (JAX's policy of the same name).
+
+    Args:
+        *names: The tags whose values are recomputed; none keeps every tagged value.
+
+    Returns:
+        The policy, which answers `True` or `False`.
+
+    Raises:
+        CheckpointTypeError: If a name is not a string.
+
+    Examples:
+        >>> from xla_wrap.checkpoint_policies import Op, save_any_names_but_these
+        >>> policy = save_any_names_but_these("mlp_hidden")
+        >>> policy(Op("checkpoint_name", "attn_out", ((2, 8),), 64))
+        True
+        >>> policy(Op("checkpoint_name", "mlp_hidden", ((2, 32),), 256))
+        False
+    """
     return _AllNamesBut(_names("save_any_names_but_these", names, allow_empty=True))
 
 
@@ -182,13 +291,49 @@ class _AllNamesBut:
 
 
 def save_only_these_names(*names: str) -> SavePolicy:
-    """Keep exactly the values tagged with one of ``names`` by :func:`xla_wrap.checkpoint_name`."""
+    """Keep exactly the values tagged with one of `names`, in device memory.
+
+    Tags are given with [`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name]; everything else
+    is recomputed.
+
+    Args:
+        *names: The tags to keep; at least one.
+
+    Returns:
+        The policy, which answers `Decision.SAVE` or `Decision.RECOMPUTE`.
+
+    Raises:
+        CheckpointValueError: If no name is given.
+        CheckpointTypeError: If a name is not a string.
+
+    Examples:
+        >>> from xla_wrap.checkpoint_policies import Op, save_only_these_names
+        >>> policy = save_only_these_names("attn_out")
+        >>> policy(Op("checkpoint_name", "attn_out", ((2, 8),), 64))
+        <Decision.SAVE: 'save'>
+        >>> policy(Op("linear", None, ((2, 8),), 64))
+        <Decision.RECOMPUTE: 'recompute'>
+    """
     return _Named(saved=_names("save_only_these_names", names))
 
 
 def offload_these_names(*names: str) -> SavePolicy:
-    """Keep the values tagged with one of ``names`` in host memory; recompute the rest. (Ours;
-    JAX spells it with :func:`save_and_offload_only_these_names`.)"""
+    """Keep the values tagged with one of `names` in host memory; recompute the rest.
+
+    Ours; JAX spells it with
+    [`save_and_offload_only_these_names()`][xla_wrap.checkpoint_policies.save_and_offload_only_these_names].
+
+    Args:
+        *names: The tags given with [`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name]
+            whose values go to host memory; at least one.
+
+    Returns:
+        The policy, which answers `Decision.OFFLOAD` or `Decision.RECOMPUTE`.
+
+    Raises:
+        CheckpointValueError: If no name is given.
+        CheckpointTypeError: If a name is not a string.
+    """
     return _Named(offloaded=_names("offload_these_names", names))
 
 
@@ -197,8 +342,32 @@ def save_and_offload_only_these_names(
     names_which_can_be_saved: tuple[str, ...] | list[str] = (),
     names_which_can_be_offloaded: tuple[str, ...] | list[str] = (),
 ) -> SavePolicy:
-    """JAX's policy of the same name: keep some tagged values on the device, some on the host,
-    and recompute everything else."""
+    """Keep some tagged values on the device, some on the host, and recompute the rest.
+
+    JAX's policy of the same name.
+
+    Args:
+        names_which_can_be_saved: The tags (given with
+            [`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name]) whose values are kept
+            in device memory.
+        names_which_can_be_offloaded: The tags whose values are kept in host memory.
+
+    Returns:
+        The policy, which answers `Decision.SAVE`, `Decision.OFFLOAD` or
+        `Decision.RECOMPUTE`.
+
+    Raises:
+        CheckpointValueError: If a name is in both lists.
+        CheckpointTypeError: If a name is not a string.
+
+    Examples:
+        >>> from xla_wrap.checkpoint_policies import Op, save_and_offload_only_these_names
+        >>> policy = save_and_offload_only_these_names(
+        ...     names_which_can_be_saved=["qkv"], names_which_can_be_offloaded=["mlp_hidden"]
+        ... )
+        >>> policy(Op("checkpoint_name", "mlp_hidden", ((2, 32),), 256))
+        <Decision.OFFLOAD: 'offload'>
+    """
     api = "save_and_offload_only_these_names"
     saved = _names(api, tuple(names_which_can_be_saved), allow_empty=True)
     offloaded = _names(api, tuple(names_which_can_be_offloaded), allow_empty=True)
@@ -212,7 +381,29 @@ def save_and_offload_only_these_names(
 
 
 def save_from_both_policies(policy_1: SavePolicy, policy_2: SavePolicy) -> SavePolicy:
-    """Keep what either policy keeps; on the device if either keeps it there."""
+    """Keep what either policy keeps; on the device if either keeps it there.
+
+    Args:
+        policy_1: A save policy: a function of this module, its name, or any callable taking
+            an [`Op`][xla_wrap.checkpoint_policies.Op].
+        policy_2: Another, in the same forms.
+
+    Returns:
+        The policy, which answers `Decision.SAVE` if either policy saves the value, else
+        `Decision.OFFLOAD` if either offloads it, else `Decision.RECOMPUTE`.
+
+    Raises:
+        CheckpointValueError: If a policy is given by an unknown name.
+        CheckpointTypeError: If a policy is neither a name nor callable.
+
+    Examples:
+        >>> from xla_wrap import checkpoint_policies as cp
+        >>> policy = cp.save_from_both_policies(cp.dots_saveable, cp.offload_these_names("h"))
+        >>> policy(cp.Op("linear", None, ((2, 8),), 64))
+        <Decision.SAVE: 'save'>
+        >>> policy(cp.Op("checkpoint_name", "h", ((2, 8),), 64))
+        <Decision.OFFLOAD: 'offload'>
+    """
     return _Both(
         resolve("save_from_both_policies", policy_1), resolve("save_from_both_policies", policy_2)
     )
@@ -248,7 +439,7 @@ class _Both:
 
 
 def resolve(api: str, policy: object) -> SavePolicy:
-    """``policy`` as a callable: a policy of this module by name, or any callable."""
+    """`policy` as a callable: a policy of this module by name, or any callable."""
     if isinstance(policy, str):
         found = _BY_NAME.get(policy)
         if found is None:
@@ -269,7 +460,7 @@ def resolve(api: str, policy: object) -> SavePolicy:
 
 
 def decide(policy: SavePolicy, op: Op) -> Decision:
-    """Call ``policy`` on ``op`` and check what it answered."""
+    """Call `policy` on `op` and check what it answered."""
     answer = policy(op)
     if isinstance(answer, Decision):
         return answer
@@ -306,8 +497,8 @@ _BY_NAME: dict[str, SavePolicy] = {
 
 
 def to_constants(policy: SavePolicy) -> Any:
-    """``policy`` as a tree of constants (its function, or the names it keeps), which Dynamo can
-    hold in a compiled graph; :func:`from_constants` makes the policy again."""
+    """`policy` as a tree of constants (its function, or the names it keeps), which Dynamo can
+    hold in a compiled graph; `from_constants()` makes the policy again."""
     if isinstance(policy, _Named):
         return ("names", tuple(sorted(policy.saved)), tuple(sorted(policy.offloaded)))
     if isinstance(policy, _Both):
@@ -320,7 +511,7 @@ def to_constants(policy: SavePolicy) -> Any:
 
 
 def from_constants(spec: Any) -> SavePolicy:
-    """The policy :func:`to_constants` described."""
+    """The policy `to_constants()` described."""
     if spec[0] == "names":
         return _Named(saved=frozenset(spec[1]), offloaded=frozenset(spec[2]))
     if spec[0] == "both":

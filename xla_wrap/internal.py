@@ -1,5 +1,5 @@
 """What xla_wrap's own bench and tests use beyond the public API, as Equinox's
-``equinox.internal``: not part of the public API, and names here change without deprecation.
+`equinox.internal`: not part of the public API, and names here change without deprecation.
 
 Everything is re-exported from where it lives, so that the bench and the tests import no private
 module (tests/project/test_house.py checks) and the package can rearrange its rooms behind this

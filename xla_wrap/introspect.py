@@ -1,16 +1,18 @@
 """See what XLA made of a step: what it keeps, what it recomputes, and its compiled peak.
 
 Allocator statistics do not exist on XLA:CPU and, on TPU, show the end of a step rather than
-its peak. The figure that does not lie is XLA's
-own buffer assignment: the size of every allocation after liveness-based packing, which XLA
-writes next to the optimized HLO when the process starts with ``XLA_FLAGS=--xla_dump_to=DIR``.
-:func:`enable_compile_dumps` sets that up; :func:`compiled_memory` reads it back. Under
-``torch.compile``, :class:`PartitionedGraphs` shows what the partitioner keeps for backward
-and what it recomputes.
+its peak. The figure that does not lie is XLA's own buffer assignment: the size of every
+allocation after liveness-based packing, which XLA writes next to the optimized HLO when the
+process starts with `XLA_FLAGS=--xla_dump_to=DIR`.
+[`enable_compile_dumps()`][xla_wrap.introspect.enable_compile_dumps] sets that up;
+[`compiled_memory()`][xla_wrap.introspect.compiled_memory] reads it back. Under
+`torch.compile`, [`PartitionedGraphs`][xla_wrap.introspect.PartitionedGraphs] shows what the
+partitioner keeps for backward and what it recomputes. On any device,
+[`saved_residuals()`][xla_wrap.introspect.saved_residuals] lists what a forward keeps.
 
-Example:
+Examples:
     >>> from xla_wrap import introspect
-    >>> introspect.enable_compile_dumps()          # before the first XLA device exists
+    >>> introspect.enable_compile_dumps()  # before the first XLA device exists  # doctest: +SKIP
     >>> program = introspect.compiled_memory(train_step)   # doctest: +SKIP
     >>> print(program.total_mib, program.flops, program.count("opt-barrier"))  # doctest: +SKIP
 """

@@ -1,8 +1,8 @@
-"""Deprecated: :mod:`xla_wrap.wrap_policies` under its old name.
+"""Deprecated: [`xla_wrap.wrap_policies`][xla_wrap.wrap_policies] under its old name.
 
-``xla_wrap.wrap`` read as the inverse of :func:`xla_wrap.unwrap`, which it is not: it holds
-wrap policies, the rules that select which submodules to checkpoint. Every name still works
-here and warns with a ``DeprecationWarning``.
+`xla_wrap.wrap` read as the inverse of [`xla_wrap.unwrap()`][xla_wrap.unwrap], which it is
+not: it holds wrap policies, the rules that select which submodules to checkpoint. Every name
+still works here and warns with a `DeprecationWarning`.
 """
 
 from __future__ import annotations

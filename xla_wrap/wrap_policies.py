@@ -1,17 +1,28 @@
 """Wrap policies: which submodules of a model to checkpoint (or shard).
 
-A wrap policy is a small named rule that selects submodules of a model, combinable with ``&``
-and ``|``. It chooses *modules*; a save policy (:mod:`xla_wrap.checkpoint_policies`) chooses
-which *values* inside a checkpointed module to keep. Give one to
-:func:`xla_wrap.apply_activation_checkpointing` in place of ``check_fn``:
+A wrap policy is a small named rule that selects submodules of a model, combinable with `&`
+and `|`. It chooses *modules*; a save policy
+([`xla_wrap.checkpoint_policies`][xla_wrap.checkpoint_policies]) chooses which *values* inside
+a checkpointed module to keep. Give one to
+[`xla_wrap.apply_activation_checkpointing()`][xla_wrap.apply_activation_checkpointing] in place
+of `check_fn`.
 
+Every policy resolves against a whole model at once
+([`WrapPolicy.select()`][xla_wrap.wrap_policies.WrapPolicy.select]), which is what lets it
+count (every n-th block) and see qualified names, neither of which a per-module callback can
+do.
+
+Examples:
+    >>> import torch, xla_wrap
     >>> from xla_wrap import wrap_policies as wp
-    >>> policy = wp.every_nth(wp.by_type(nn.TransformerEncoderLayer), 2)      # doctest: +SKIP
-    >>> xla_wrap.apply_activation_checkpointing(model, policy)                # doctest: +SKIP
-
-Every policy resolves against a whole model at once (:meth:`WrapPolicy.select`), which is what
-lets it count (every n-th block) and see qualified names, neither of which a per-module
-callback can do.
+    >>> model = torch.nn.TransformerEncoder(
+    ...     torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16), num_layers=4,
+    ...     enable_nested_tensor=False,
+    ... )
+    >>> policy = wp.every_nth(wp.by_type(torch.nn.TransformerEncoderLayer), 2)
+    >>> model = xla_wrap.apply_activation_checkpointing(model, policy)
+    >>> [isinstance(layer, xla_wrap.CheckpointWrapper) for layer in model.layers]
+    [True, False, True, False]
 """
 
 from __future__ import annotations
@@ -39,18 +50,50 @@ Named = tuple[str, nn.Module]
 
 
 class WrapPolicy:
-    """Selects submodules of a model. Combine policies with ``&`` (both) and ``|`` (either)."""
+    """Selects submodules of a model. Combine policies with `&` (both) and `|` (either).
+
+    Made by the functions of this module (`by_type`, `by_name`, ...), not directly.
+
+    Examples:
+        >>> from torch import nn
+        >>> from xla_wrap import wrap_policies as wp
+        >>> model = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 2))
+        >>> policy = wp.by_type(nn.Linear) & wp.by_param_count(100)
+        >>> [name for name, _ in policy.select(model)]
+        ['0', '2']
+    """
 
     def select(self, model: nn.Module) -> list[Named]:
-        """The selected modules of ``model`` with their qualified names, in ``named_modules``
-        order; each module once (under its first name). The model itself is named ``""`` and
-        may be selected: APIs that cannot wrap it in place refuse it."""
+        """The selected modules of `model`, with their qualified names.
+
+        They come in `named_modules` order, each module once (under its first name). The model
+        itself is named `""` and may be selected: APIs that cannot wrap it in place refuse it.
+
+        Args:
+            model: The model to select from.
+
+        Returns:
+            `(qualified name, module)` pairs, one per selected module.
+        """
         return [
             (name, module) for name, module in model.named_modules() if self.accepts(name, module)
         ]
 
     def accepts(self, name: str, module: nn.Module) -> bool:
-        """Whether this policy, on its own, selects ``module`` found under ``name``."""
+        """Whether this policy, on its own, selects `module` found under `name`.
+
+        Args:
+            name: The module's qualified name in the model (`"layers.3.mlp"`; `""` for the
+                model itself).
+            module: The module.
+
+        Returns:
+            Whether the module is selected.
+
+        Raises:
+            CheckpointValueError: For a policy made by `every_nth` (or combining one), whose
+                choice depends on the other modules: use `select()`.
+        """
         raise NotImplementedError
 
     def __and__(self, other: WrapPolicy) -> WrapPolicy:
@@ -60,8 +103,9 @@ class WrapPolicy:
         return _Combined(self, _checked(other, "|"), both=False)
 
 
-# The name before wrap policies and save policies were told apart.
 Policy = WrapPolicy
+"""The former name of [`WrapPolicy`][xla_wrap.wrap_policies.WrapPolicy], from before wrap
+policies and save policies were told apart; the same class."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +175,7 @@ class _EveryNth(WrapPolicy):
 
 @dataclass(frozen=True)
 class _Combined(WrapPolicy):
-    """``left & right`` (``both``) or ``left | right``."""
+    """`left & right` (`both`) or `left | right`."""
 
     left: WrapPolicy
     right: WrapPolicy
@@ -154,9 +198,20 @@ class _Combined(WrapPolicy):
 
 
 def by_type(*types: type | Iterable[type]) -> WrapPolicy:
-    """Select modules that are instances of any of ``types`` (the transformer-layer rule).
+    """Select modules that are instances of any of `types` (the transformer-layer rule).
 
-    Example:
+    Args:
+        *types: Module classes, or sets, lists or tuples of them (`by_type({Block, Other})`);
+            at least one class in all.
+
+    Returns:
+        The policy.
+
+    Raises:
+        CheckpointTypeError: If an item is not a class.
+        CheckpointValueError: If no class is given.
+
+    Examples:
         >>> from torch import nn
         >>> from xla_wrap import wrap_policies
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -182,10 +237,34 @@ def by_type(*types: type | Iterable[type]) -> WrapPolicy:
 
 
 def by_param_count(min_params: int, max_params: int | None = None) -> WrapPolicy:
-    """Select modules holding at least ``min_params`` parameters (and at most ``max_params``),
-    counting their submodules' parameters too: the size rule of FSDP's size-based policy."""
+    """Select modules holding at least `min_params` parameters (at most `max_params`).
+
+    Their submodules' parameters count too: the size rule of FSDP's size-based policy.
+
+    Parameters are counted by elements (`numel`), both bounds inclusive. The model itself
+    usually qualifies too; combine with another policy (`by_type(Block) & by_param_count(n)`)
+    or bound it with `max_params`.
+
+    Args:
+        min_params: The fewest parameter elements a selected module holds.
+        max_params: The most it holds; `None` (the default) for no upper bound.
+
+    Returns:
+        The policy.
+
+    Raises:
+        CheckpointValueError: If a bound is not a non-negative int.
+
+    Examples:
+        >>> from torch import nn
+        >>> from xla_wrap import wrap_policies as wp
+        >>> model = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 2))
+        >>> [name for name, _ in wp.by_param_count(100, max_params=300).select(model)]
+        ['0', '2']
+    """
     for label, value in (("min_params", min_params), ("max_params", max_params)):
-        if value is not None and (not is_int(value) or value < 0):
+        # min_params has no "no bound" value: None would only fail later, inside select().
+        if (value is not None or label == "min_params") and (not is_int(value) or value < 0):
             raise CheckpointValueError(
                 "xla_wrap.wrap_policies.by_param_count: expected a non-negative int as "
                 f"`{label}`, got {describe(value)}."
@@ -194,8 +273,30 @@ def by_param_count(min_params: int, max_params: int | None = None) -> WrapPolicy
 
 
 def by_name(*patterns: str) -> WrapPolicy:
-    """Select modules whose qualified name (``"layers.3.mlp"``) matches any of the
-    shell-style ``patterns`` (``"layers.*"``, ``"*.attn"``; ``*`` also crosses dots)."""
+    """Select modules whose qualified name matches any of the shell-style `patterns`.
+
+    Names are qualified (`"layers.3.mlp"`); patterns are shell-style (`"layers.*"`, `"*.attn"`;
+    `*` also crosses dots).
+
+    Matching is case-sensitive (`fnmatch.fnmatchcase`), against the whole name.
+
+    Args:
+        *patterns: Shell-style patterns (`*`, `?`, `[seq]`); at least one.
+
+    Returns:
+        The policy.
+
+    Raises:
+        CheckpointTypeError: If no pattern is given, or a pattern is not a string.
+
+    Examples:
+        >>> from torch import nn
+        >>> from xla_wrap import wrap_policies as wp
+        >>> model = nn.Module()
+        >>> model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+        >>> [name for name, _ in wp.by_name("layers.*").select(model)]
+        ['layers.0', 'layers.1']
+    """
     if not patterns or not all(isinstance(p, str) for p in patterns):
         raise CheckpointTypeError(
             "xla_wrap.wrap_policies.by_name: expected one or more patterns as strings, got "
@@ -206,7 +307,25 @@ def by_name(*patterns: str) -> WrapPolicy:
 
 
 def by_predicate(predicate: Callable[[nn.Module], bool]) -> WrapPolicy:
-    """Select modules for which ``predicate(module)`` is true (any callable)."""
+    """Select modules for which `predicate(module)` is true (any callable).
+
+    Args:
+        predicate: Called with each module; its result is taken as a bool.
+
+    Returns:
+        The policy.
+
+    Raises:
+        CheckpointTypeError: If `predicate` is not callable.
+
+    Examples:
+        >>> from torch import nn
+        >>> from xla_wrap import wrap_policies as wp
+        >>> model = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> wide = wp.by_predicate(lambda m: getattr(m, "out_features", 0) > 4)
+        >>> [name for name, _ in wide.select(model)]
+        ['0']
+    """
     if not callable(predicate):
         raise CheckpointTypeError(
             f"xla_wrap.wrap_policies.by_predicate: expected a callable, got {describe(predicate)}."
@@ -215,10 +334,26 @@ def by_predicate(predicate: Callable[[nn.Module], bool]) -> WrapPolicy:
 
 
 def every_nth(policy: WrapPolicy, n: int, *, offset: int = 0) -> WrapPolicy:
-    """Keep every ``n``-th module that ``policy`` selects, starting at position ``offset``: the
-    usual dial between memory (n=1, every block) and speed (larger n).
+    """Keep every `n`-th module that `policy` selects, starting at position `offset`.
 
-    Example:
+    The usual dial between memory (n=1, every block) and speed (larger n).
+
+    The positions are those of `policy.select(model)`, so the result can only be resolved
+    against a whole model: its `select()` works, its `accepts()` refuses.
+
+    Args:
+        policy: The wrap policy whose selection is thinned.
+        n: Keep one selected module in `n` (a positive int).
+        offset: The position of the first one kept, from 0 to `n - 1`.
+
+    Returns:
+        The policy.
+
+    Raises:
+        CheckpointTypeError: If `policy` is not a wrap policy.
+        CheckpointValueError: If `n` is not a positive int or `offset` is not in `0..n-1`.
+
+    Examples:
         >>> from torch import nn
         >>> from xla_wrap import wrap_policies as wp
         >>> model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])

@@ -1,4 +1,4 @@
-"""``apply_activation_checkpointing``: wrap the submodules of a model in place."""
+"""`apply_activation_checkpointing`: wrap the submodules of a model in place."""
 
 from __future__ import annotations
 
@@ -25,43 +25,51 @@ def apply_activation_checkpointing(
     auto_wrap_policy: Any = None,
     **wrapper_options: Any,
 ) -> M:
-    """Wrap, in place, every submodule of ``model`` that ``check_fn`` selects.
+    """Wrap, in place, every submodule of `model` that `check_fn` selects.
 
-    ``check_fn`` is either a callable ``check_fn(module) -> bool`` or a wrap policy from
-    :mod:`xla_wrap.wrap_policies` (by type, by name, by size, every n-th, combinations). A wrap
-    policy sees the whole model at once; one that selects nothing gives a warning, and one
-    that selects the model itself is refused. Instead of ``check_fn``, PyTorch's keyword
-    ``auto_wrap_policy`` takes an FSDP auto-wrap policy, as PyTorch's function of the same name
-    does.
+    `check_fn` is either a callable `check_fn(module) -> bool` or a wrap policy from
+    [`xla_wrap.wrap_policies`][xla_wrap.wrap_policies] (by type, by name, by size, every n-th,
+    combinations). A wrap policy sees the whole model at once; one that selects nothing gives
+    a warning, and one that selects the model itself is refused. Instead of `check_fn`,
+    PyTorch's keyword `auto_wrap_policy` takes an FSDP auto-wrap policy, as PyTorch's function
+    of the same name does.
 
-    Children are visited before their parents (post-order), so ``check_fn`` sees a parent whose
+    Children are visited before their parents (post-order), so `check_fn` sees a parent whose
     selected children are already wrapped. The root is never wrapped (a policy means the blocks
-    inside it; to checkpoint a whole model, call :func:`checkpoint_wrapper` on it). Selected
-    modules are checkpointed in place, as :func:`checkpoint_wrapper` does: they keep their
-    class, names and places. A module reachable under several names is offered once. A module
-    already checkpointed is left as it is, and nothing inside it is offered (that would nest
-    checkpoints).
+    inside it; to checkpoint a whole model, call
+    [`checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper] on it). Selected modules are
+    checkpointed in place, as [`checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper] does: they
+    keep their class, names and places. A module reachable under several names is offered
+    once. A module already checkpointed is left as it is, and nothing inside it is offered
+    (that would nest checkpoints).
 
     Args:
         model: The model to modify.
-        check_fn: Decides, per submodule, whether to checkpoint it.
-        auto_wrap_policy: Instead of ``check_fn``: a policy of ``torch.distributed.fsdp.wrap``
-            (``ModuleWrapPolicy({Block})``, ``CustomPolicy``, or a function such as
-            ``partial(size_based_auto_wrap_policy, min_num_params=...)``, called with
-            ``recurse=False`` and the parameter count not yet wrapped below the module).
-        **wrapper_options: Keyword options for :func:`checkpoint_wrapper` (``policy``,
-            ``use_reentrant``, ...).
+        check_fn: Decides, per submodule, whether to checkpoint it: a callable taking the
+            module and returning a bool, or a [`WrapPolicy`][xla_wrap.wrap_policies.WrapPolicy].
+            An FSDP policy given here is taken as `auto_wrap_policy`. `None` only with
+            `auto_wrap_policy`.
+        auto_wrap_policy: Instead of `check_fn`: a policy of `torch.distributed.fsdp.wrap`
+            (`ModuleWrapPolicy({Block})`, `CustomPolicy`, or a function such as
+            `partial(size_based_auto_wrap_policy, min_num_params=...)`, called with
+            `recurse=False` and the parameter count not yet wrapped below the module).
+        **wrapper_options: Keyword options for
+            [`checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper] (`preserve_rng_state`,
+            `use_reentrant`, `policy`, `offload_to_cpu`), the same for every selected module.
 
     Returns:
-        ``model`` itself.
+        `model` itself.
 
     Raises:
-        CheckpointTypeError: If ``model`` is not an ``nn.Module``, ``check_fn`` is not
-            callable, or an option is unknown.
-        CheckpointValueError: If a wrap policy selects ``model`` itself, or the save
-            ``policy`` among the options is unknown.
+        CheckpointTypeError: If `model` is not an `nn.Module`; `check_fn` is neither callable
+            nor a wrap policy (or is missing); `auto_wrap_policy` is not an FSDP policy; an
+            option is unknown (PyTorch's `checkpoint_wrapper_fn` included) or has the wrong
+            type; or a selected module is a unit of PyTorch's FSDP1.
+        CheckpointValueError: If both `check_fn` and `auto_wrap_policy` are given, a wrap
+            policy selects `model` itself or nothing in a model FSDP has wrapped, or the save
+            `policy` among the options is unknown or given with `use_reentrant=True`.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         >>> model = xla_wrap.apply_activation_checkpointing(
@@ -120,7 +128,7 @@ def apply_activation_checkpointing(
 
 def _from_fsdp_policy(api: str, policy: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
     """The per-module test of an FSDP auto-wrap policy, as PyTorch's
-    ``apply_activation_checkpointing`` applies one."""
+    `apply_activation_checkpointing` applies one."""
     if hasattr(policy, "_run_policy"):  # torch.distributed.fsdp.wrap._Policy
         chosen = {id(m) for m in policy._run_policy(model, set(), {}) if m is not model}
         return lambda module: id(module) in chosen
@@ -146,7 +154,7 @@ def _from_fsdp_policy(api: str, policy: Any, model: nn.Module) -> Callable[[nn.M
 
 
 def _resolved(api: str, wrap_policy: WrapPolicy, model: nn.Module) -> Callable[[nn.Module], bool]:
-    """Turn a wrap policy into the per-module test for ``model``, refusing what cannot be done."""
+    """Turn a wrap policy into the per-module test for `model`, refusing what cannot be done."""
     selected = wrap_policy.select(model)
     if any(module is model for _, module in selected):
         raise CheckpointValueError(

@@ -34,7 +34,7 @@ def capture() -> AutocastSnapshot:
 
 @contextmanager
 def replay(snapshot: AutocastSnapshot) -> Iterator[None]:
-    """Run the block under the autocast settings of ``snapshot``.
+    """Run the block under the autocast settings of `snapshot`.
 
     Only device types whose setting differs from the current one are touched, so a machine
     without CUDA never enters a CUDA autocast context.

@@ -1,6 +1,6 @@
 """Optimization barriers that keep autograd intact.
 
-``xm.optimization_barrier`` returns detached tensors, so a loss computed after it gets no
+`xm.optimization_barrier` returns detached tensors, so a loss computed after it gets no
 gradients (examples/digits_barrier.py: MNIST stuck at chance). Here the barrier is an autograd
 Function: values pass through a barrier in forward, and incoming gradients pass through a
 barrier of their own in backward, so gradient computation cannot be fused across it either.
@@ -20,10 +20,10 @@ from .._support.errors import CheckpointTypeError, describe
 def barriered(
     tensors: Sequence[torch.Tensor], *, in_place: Sequence[bool] | None = None
 ) -> list[torch.Tensor]:
-    """Detached tensors equal to ``tensors``, tied together by their execution path's barrier.
+    """Detached tensors equal to `tensors`, tied together by their execution path's barrier.
 
-    Off XLA they are plain ``detach()`` aliases: eager execution has nothing to reorder. On XLA
-    a tensor marked ``in_place`` shares its value with the caller's tensor, so later readers of
+    Off XLA they are plain `detach()` aliases: eager execution has nothing to reorder. On XLA
+    a tensor marked `in_place` shares its value with the caller's tensor, so later readers of
     that tensor read the barrier's output too and XLA keeps no pre-barrier copy beside it; the
     others are copies, which leave the caller's tensor (module state) untouched.
 
@@ -51,7 +51,7 @@ def optimization_barrier(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
     All tensors pass through one barrier: nothing that reads an output can start before every
     input exists, and XLA cannot treat an output as the input it came from. Unlike
-    ``torch_xla.core.xla_model.optimization_barrier``, gradients flow to every input, and the
+    `torch_xla.core.xla_model.optimization_barrier`, gradients flow to every input, and the
     incoming gradients are barriered together in backward. Off XLA it returns the tensors
     unchanged.
 
@@ -64,7 +64,7 @@ def optimization_barrier(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     Raises:
         CheckpointTypeError: If an argument is not a tensor.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> x = torch.ones(2, requires_grad=True)
         >>> y, = xla_wrap.optimization_barrier(x * 2)

@@ -1,4 +1,4 @@
-"""``checkpoint`` and ``checkpoint_sequential``: the functional entry points."""
+"""`checkpoint` and `checkpoint_sequential`: the functional entry points."""
 
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ def run_checkpointed(
     owners: Iterable[nn.Module],
     options: CheckpointOptions,
 ) -> Any:
-    """Run ``function(*args, **kwargs)`` as a checkpoint whose barrier also covers the
-    parameters and buffers of ``owners``. Outside autograd, with a policy that keeps
-    everything, or under :func:`~xla_wrap.disable_checkpointing`, it is a plain call."""
+    """Run `function(*args, **kwargs)` as a checkpoint whose barrier also covers the
+    parameters and buffers of `owners`. Outside autograd, with a policy that keeps
+    everything, or under [`disable_checkpointing()`][xla_wrap.disable_checkpointing], it is a
+    plain call."""
     if (
         not torch.is_grad_enabled()
         or options.policy is cp.everything_saveable
@@ -61,10 +62,10 @@ def run_checkpointed(
 
 
 def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[nn.Module]:
-    """The module whose parameters ``function`` reads: the module itself, the owner of a bound
-    method, either of those inside ``functools.partial``, or the module an unbound method is
-    called on (``Layer.forward(layer, x)``, as transformers 5 checkpoints its layers). None
-    inside ``torch.compile``, whose checkpoint differentiates whatever the function reads."""
+    """The module whose parameters `function` reads: the module itself, the owner of a bound
+    method, either of those inside `functools.partial`, or the module an unbound method is
+    called on (`Layer.forward(layer, x)`, as transformers 5 checkpoints its layers). None
+    inside `torch.compile`, whose checkpoint differentiates whatever the function reads."""
     if _paths.compiling():
         return []
     function, args, _ = unpartial(function, args, {})
@@ -79,8 +80,8 @@ def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> 
 
 
 def _is_method_of(function: Callable[..., Any], module: nn.Module) -> bool:
-    """Whether ``function`` is defined as a method of ``module``'s class (or a base class), as
-    far as its qualified name tells (``GPT2Block.forward``, or a wrapper that keeps it)."""
+    """Whether `function` is defined as a method of `module`'s class (or a base class), as
+    far as its qualified name tells (`GPT2Block.forward`, or a wrapper that keeps it)."""
     qualname = getattr(function, "__qualname__", "")
     owner_name, _, _ = qualname.rpartition(".")
     return any(cls.__qualname__ == owner_name for cls in type(module).__mro__)
@@ -89,7 +90,7 @@ def _is_method_of(function: Callable[..., Any], module: nn.Module) -> bool:
 def unpartial(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    """``partial(f, *a, **k)(*args, **kwargs)`` as ``f(*a, *args, **k, **kwargs)``, so that the
+    """`partial(f, *a, **k)(*args, **kwargs)` as `f(*a, *args, **k, **kwargs)`, so that the
     tensors bound in a partial (transformers binds a layer's masks and position embeddings
     this way) are inputs of the checkpoint, and the module behind it is found."""
     while isinstance(function, functools.partial):
@@ -108,48 +109,52 @@ def checkpoint(
     offload_to_cpu: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in
-    backward behind an optimization barrier so XLA keeps the saving.
+    """Run `function(*args, **kwargs)` without keeping its activations.
+
+    They are recomputed in backward behind an optimization barrier, so that XLA keeps the
+    saving.
 
     Inputs and outputs may nest tuples, lists and dicts and contain non-tensor values. When
-    ``function`` is an ``nn.Module``, a bound method of one, or a ``functools.partial`` of
+    `function` is an `nn.Module`, a bound method of one, or a `functools.partial` of
     either, that module's parameters and buffers join the barrier and receive gradients even
-    when no input requires grad. Under ``torch.no_grad()`` this is a plain call.
+    when no input requires grad. Under `torch.no_grad()` this is a plain call.
 
     Args:
         function: The callable to checkpoint.
-        *args: Positional arguments for ``function``.
+        *args: Positional arguments for `function`.
         preserve_rng_state: Replay the CPU, CUDA and XLA generators so that random ops
             (Dropout) draw the same numbers in the recomputation as in the forward.
-        use_reentrant: The engine (PyTorch's keyword). ``False``: the block records its
+        use_reentrant: The engine (PyTorch's keyword). `False`: the block records its
             graph but saves placeholders, recomputes them behind the barrier before its graph
-            runs, and stops once they exist; supports ``torch.autograd.grad`` and save
-            policies. ``True``: the block runs without a graph and is recomputed and
-            differentiated inside its own backward; supports ``loss.backward()`` only.
-            ``None`` (default): non-reentrant (docs/policies.md says why).
+            runs, and stops once they exist; supports `torch.autograd.grad` and save
+            policies. `True`: the block runs without a graph and is recomputed and
+            differentiated inside its own backward; supports `loss.backward()` only.
+            `None` (default): non-reentrant (docs/policies.md says why).
         policy: What to keep instead of recomputing: a function of
-            :mod:`xla_wrap.checkpoint_policies` (or its name, like ``"dots_saveable"``) or any
-            callable taking a :class:`~xla_wrap.checkpoint_policies.Op`. None recomputes
+            [`xla_wrap.checkpoint_policies`][xla_wrap.checkpoint_policies] (or its name, like
+            `"dots_saveable"`) or any callable taking an
+            [`Op`][xla_wrap.checkpoint_policies.Op]. `None` (the default) recomputes
             everything.
         offload_to_cpu: Keep what the checkpoint saves (its inputs, and the values a policy
             keeps) in host memory until backward: pinned memory on CUDA, host-placement
             annotations inside the compiled program on XLA TPU and GPU (docs/offload.md). On
             XLA:CPU the values stay on the device, with a warning.
-        **kwargs: Keyword arguments for ``function``.
+        **kwargs: Keyword arguments for `function`.
 
     Returns:
-        What ``function`` returns.
+        What `function` returns.
 
     Raises:
-        CheckpointTypeError: If ``function`` or ``policy`` is not callable, or a keyword of
-            ``torch.utils.checkpoint.checkpoint`` that xla_wrap lacks is given
-            (``context_fn``, ``determinism_check``, ``debug``, ``early_stop``).
-        CheckpointValueError: If ``policy`` is unknown or given with ``use_reentrant=True``.
+        CheckpointTypeError: If `function` or `policy` is not callable, `use_reentrant` is
+            not a bool or `None`, or a keyword of `torch.utils.checkpoint.checkpoint` that
+            xla_wrap lacks is given (`context_fn`, `determinism_check`, `debug`,
+            `early_stop`).
+        CheckpointValueError: If `policy` is unknown or given with `use_reentrant=True`.
         CheckpointError: In backward, if the recomputation computes something else than the
             forward did (the first different output or saved tensor is named), or if the
-            reentrant engine's backward was called through ``torch.autograd.grad``.
+            reentrant engine's backward was called through `torch.autograd.grad`.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> layer = torch.nn.Linear(4, 4)
         >>> x = torch.randn(2, 4)
@@ -193,29 +198,33 @@ def checkpoint_sequential(
     policy: cp.SavePolicy | str | None = None,
     offload_to_cpu: bool = False,
 ) -> Any:
-    """Run a sequence of callables in ``segments`` chunks, checkpointing all but the last chunk.
+    """Run a sequence of callables in `segments` chunks, checkpointing all but the last chunk.
 
-    Same contract as ``torch.utils.checkpoint.checkpoint_sequential``: each callable takes the
+    Same contract as `torch.utils.checkpoint.checkpoint_sequential`: each callable takes the
     previous one's output. The last chunk runs normally because its activations are needed
     right away by backward. The parameters of the modules in a chunk join that chunk's barrier.
 
     Args:
-        functions: An ``nn.Sequential`` or a sequence of modules or functions.
-        segments: How many chunks to split ``functions`` into (1 to ``len(functions)``).
+        functions: An `nn.Sequential`, or a list, tuple or `nn.ModuleList` of modules or
+            functions.
+        segments: How many chunks to split `functions` into (1 to `len(functions)`).
         input: The input of the first callable.
-        preserve_rng_state: As for :func:`checkpoint`.
-        use_reentrant: As for :func:`checkpoint`.
-        policy: As for :func:`checkpoint`.
-        offload_to_cpu: As for :func:`checkpoint`.
+        preserve_rng_state: As for [`checkpoint()`][xla_wrap.checkpoint].
+        use_reentrant: As for [`checkpoint()`][xla_wrap.checkpoint].
+        policy: As for [`checkpoint()`][xla_wrap.checkpoint].
+        offload_to_cpu: As for [`checkpoint()`][xla_wrap.checkpoint].
 
     Returns:
         The output of the last callable.
 
     Raises:
-        CheckpointTypeError: If ``functions`` is not a sequence of callables.
-        CheckpointValueError: If ``segments`` is not between 1 and ``len(functions)``.
+        CheckpointTypeError: If `functions` is not one of those or holds something not
+            callable, `segments` is not an int, `use_reentrant` is not a bool or `None`, or
+            `policy` is neither a policy name nor callable.
+        CheckpointValueError: If `segments` is not between 1 and `len(functions)`, or the
+            save `policy` is unknown or given with `use_reentrant=True`.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
         >>> y = xla_wrap.checkpoint_sequential(model, 2, torch.randn(2, 4))

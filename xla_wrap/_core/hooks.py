@@ -1,8 +1,8 @@
 """Extension points of the checkpointing core for the compositions it knows nothing about.
 
-The wrapper, the two engines and ``apply_activation_checkpointing`` never ask which sharding
+The wrapper, the two engines and `apply_activation_checkpointing` never ask which sharding
 framework runs around them. A composition that must act on checkpoints (refuse a module it
-owns, keep a sharding across the barrier) subclasses :class:`CheckpointHook` and installs an
+owns, keep a sharding across the barrier) subclasses `CheckpointHook` and installs an
 instance once, at import: xla_wrap/_fsdp/units.py installs the FSDP, SPMD and XLA FSDP
 recomputation hooks, and the package imports it, so they are always in place. Nothing else
 changes the list.
@@ -23,24 +23,24 @@ class CheckpointHook:
     """What a composition adds to checkpointing. Every method does nothing by default."""
 
     def check_module(self, api: str, module: nn.Module) -> None:
-        """Raise if ``module`` must not be checkpointed; called before anything is wrapped."""
+        """Raise if `module` must not be checkpointed; called before anything is wrapped."""
 
     def check_selection(
         self, api: str, wrap_policy: object, model: nn.Module, selected: Sequence[nn.Module]
     ) -> None:
-        """Raise if a ``wrap_policy`` selecting ``selected`` in ``model`` is a mistake."""
+        """Raise if a `wrap_policy` selecting `selected` in `model` is a mistake."""
 
     def on_forward(self, outputs: Sequence[torch.Tensor]) -> object:
         """What to remember about the output tensors of one checkpointed forward. The value
         belongs to the hook (it may change it until backward) and comes back in
-        :meth:`on_gradient`."""
+        `on_gradient()`."""
         return None
 
     def on_gradient(
         self, state: object, position: int, grad: torch.Tensor, output: torch.Tensor | None
     ) -> None:
         """Called with each output gradient after the barrier, before the block's backward
-        reads it: ``position`` indexes the forward's output tensors, ``output`` is the
+        reads it: `position` indexes the forward's output tensors, `output` is the
         recomputed output where the engine has it."""
 
     def replaying(self) -> AbstractContextManager[None]:
@@ -50,7 +50,7 @@ class CheckpointHook:
 
 
 def install(hook: CheckpointHook) -> None:
-    """Add ``hook`` to the hooks every checkpoint consults (once per hook)."""
+    """Add `hook` to the hooks every checkpoint consults (once per hook)."""
     if hook not in process.hooks:
         process.hooks = (*process.hooks, hook)
 

@@ -3,14 +3,14 @@ recomputation.
 
 The recomputation must read barriered copies of the parameters and buffers, not the originals:
 then XLA cannot merge it with the forward, nor start it before the gradient arrives. Writing
-the copies into the modules' own ``_parameters``/``_buffers`` slots for the duration of the
-recomputation works for any callable that reaches them through the module (``forward``, other
-methods, ``functools.partial`` of ``__call__``) and also keeps buffer updates made during the
+the copies into the modules' own `_parameters`/`_buffers` slots for the duration of the
+recomputation works for any callable that reaches them through the module (`forward`, other
+methods, `functools.partial` of `__call__`) and also keeps buffer updates made during the
 recomputation (BatchNorm running statistics) out of the real buffers, so they happen once.
 
 Tensors a module holds as plain attributes (views aside) are put back as the forward saw
 them, too (not copied, not barriered): a forward pre-hook of the checkpointed module runs once,
-outside the checkpoint, and may set one per call (``spectral_norm``'s ``weight``, pruning's
+outside the checkpoint, and may set one per call (`spectral_norm`'s `weight`, pruning's
 masked weight). A module called twice before backward would otherwise be recomputed with the
 second call's.
 """
@@ -78,7 +78,7 @@ class ModuleTensors:
     def substituted(
         self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
     ) -> Iterator[None]:
-        """Let the modules read ``params``/``buffers`` in place of their own inside the block."""
+        """Let the modules read `params`/`buffers` in place of their own inside the block."""
         saved: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]] = []
         replaced: list[tuple[dict[str, object], str, object]] = []
         try:
@@ -108,7 +108,7 @@ class ModuleTensors:
 
 
 def _per_call(value: object) -> bool:
-    """Whether a plain attribute is a tensor computed for the call (``weight_orig / sigma``),
+    """Whether a plain attribute is a tensor computed for the call (`weight_orig / sigma`),
     to be read again as it was. Views are left to whoever put them there: FSDP's views of its
     flat parameter are rebuilt for the recomputation and must be read as they are then."""
     return type(value) is torch.Tensor and value._base is None

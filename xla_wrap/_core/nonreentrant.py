@@ -1,12 +1,12 @@
 """The non-reentrant engine: the forward records its autograd graph as usual, but every tensor
 that graph saves for backward is replaced by a placeholder, and backward recomputes them.
 
-Gradients flow through the forward's own graph, so ``torch.autograd.grad``, ``backward(inputs=)``
+Gradients flow through the forward's own graph, so `torch.autograd.grad`, `backward(inputs=)`
 and gradients for tensors the block reaches from outside work as they do without checkpointing.
 PyTorch's implementation recomputes from inside the first unpack hook, which on XLA is neither
 ordered after the incoming gradient nor distinct from the forward. Here a *gate*, an autograd
 Function over the block's outputs, runs first in backward, receives every output gradient, and
-recomputes behind the barrier of :mod:`.recompute` (inputs, values a policy kept, gradients,
+recomputes behind the barrier of `recompute` (inputs, values a policy kept, gradients,
 parameters, buffers). It hands the barriered gradients on to the block's graph, whose nodes then
 read recomputed values only: everything backward does for the block comes after the barrier.
 
@@ -18,7 +18,7 @@ gradient. Nested checkpoints work because the gate saves the block's inputs and 
 through the ordinary saved-tensor mechanism: an enclosing checkpoint replaces them with its own
 placeholders.
 
-Higher derivatives: under ``create_graph=True`` the gate's gradients stay differentiable, and
+Higher derivatives: under `create_graph=True` the gate's gradients stay differentiable, and
 the recomputed tensors stay on the placeholders (freed with the graph), so a backward through
 that backward's graph, which reaches the block's nodes without passing the gate, reads them
 without recomputing again. A block that differentiates its own graph reads its saved tensors
@@ -53,7 +53,7 @@ from .recompute import (
 
 
 def run_nonreentrant(call: CheckpointCall, inputs: Flat) -> Any:
-    """Run ``call`` on ``inputs`` once, saving placeholders, and return its output behind the
+    """Run `call` on `inputs` once, saving placeholders, and return its output behind the
     gate."""
     policy = call.options.policy
     selection = None
@@ -115,8 +115,8 @@ class _SavedMeta:
 class _Placeholder:
     """What the block's graph holds instead of a saved tensor. It holds the tensor itself
     while it must be readable without recomputation: during the block's forward (which may
-    differentiate its own graph, ``torch.autograd.grad`` inside the block), and after a
-    backward with ``create_graph=True``, whose graph reads the block's nodes again (second
+    differentiate its own graph, `torch.autograd.grad` inside the block), and after a
+    backward with `create_graph=True`, whose graph reads the block's nodes again (second
     derivatives) without passing the gate; then the tensor goes when the graph does."""
 
     __slots__ = ("__weakref__", "frame", "index", "tensor")
@@ -129,7 +129,7 @@ class _Placeholder:
 
 class _StopRecomputation(BaseException):
     """Raised by the recomputation's pack hook once the last saved tensor exists. Not an
-    ``Exception``: a block's own ``except Exception`` fallback must not swallow it."""
+    `Exception`: a block's own `except Exception` fallback must not swallow it."""
 
     def __init__(self, frame: _Frame) -> None:
         super().__init__()
@@ -164,7 +164,7 @@ class _Frame:
     @contextmanager
     def forward_running(self) -> Iterator[None]:
         """The forward's saved tensors stay readable until it returns (a block may call
-        ``torch.autograd.grad`` on its own graph); then only placeholders are left."""
+        `torch.autograd.grad` on its own graph); then only placeholders are left."""
         self.forward_placeholders = []
         try:
             yield
@@ -258,11 +258,11 @@ def _unpack(placeholder: _Placeholder) -> torch.Tensor:
 
 
 class _OutputGate(torch.autograd.Function):
-    """``apply(frame, record, gated, residuals, offload, buffers, *outputs)`` -> aliases of
-    the block's outputs that require grad (output tensors ``gated`` of the record); their
+    """`apply(frame, record, gated, residuals, offload, buffers, *outputs)` -> aliases of
+    the block's outputs that require grad (output tensors `gated` of the record); their
     backward recomputes the block behind the barrier before the block's graph runs.
-    ``residuals`` are the block's inputs, then the values a policy kept; ``offload`` flags the
-    kept values that wait in host memory; ``buffers`` are the owners' buffers as the forward
+    `residuals` are the block's inputs, then the values a policy kept; `offload` flags the
+    kept values that wait in host memory; `buffers` are the owners' buffers as the forward
     read them."""
 
     @staticmethod
@@ -307,8 +307,8 @@ class _OutputGate(torch.autograd.Function):
 
 
 class _Same(torch.autograd.Function):
-    """``apply(value, copy)`` -> ``copy``, a barriered copy of ``value``, with ``value``'s
-    derivative: the gate's backward stays differentiable under ``create_graph=True``."""
+    """`apply(value, copy)` -> `copy`, a barriered copy of `value`, with `value`'s
+    derivative: the gate's backward stays differentiable under `create_graph=True`."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from .._support.errors import CheckpointTypeError, CheckpointValueError, describ
 # too), supports torch.autograd.grad and skips blocks that need no gradient.
 DEFAULT_REENTRANT = False
 
-#: The keyword options every checkpointing API accepts.
+# The keyword options every checkpointing API accepts.
 OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
 
 # torch.utils.checkpoint.checkpoint's keywords that xla_wrap does not take, with what to do
@@ -32,7 +32,7 @@ _TORCH_ONLY_KEYWORDS = {
 
 
 def refuse_torch_only_keywords(api: str, kwargs: dict[str, Any]) -> None:
-    """Refuse a keyword of ``torch.utils.checkpoint.checkpoint`` that xla_wrap lacks."""
+    """Refuse a keyword of `torch.utils.checkpoint.checkpoint` that xla_wrap lacks."""
     for name in (name for name in _TORCH_ONLY_KEYWORDS if name in kwargs):
         raise CheckpointTypeError(
             f"{api}: expected the function's own keyword arguments and xla_wrap's options "
@@ -45,13 +45,18 @@ def refuse_torch_only_keywords(api: str, kwargs: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class CheckpointOptions:
-    """How a checkpoint runs (see :func:`xla_wrap.checkpoint` for each option).
+    """How a checkpoint runs (see [`xla_wrap.checkpoint()`][xla_wrap.checkpoint] for each option).
+
+    As a checkpointed module holds them
+    ([`CheckpointWrapper.checkpoint_options`][xla_wrap.CheckpointWrapper]) and a plan gives
+    them ([`CheckpointPlan.options_of()`][xla_wrap.CheckpointPlan.options_of]): checked and
+    resolved, `use_reentrant` a bool and `policy` a callable or `None`.
 
     Attributes:
         preserve_rng_state: Replay the random generators in the recomputation.
-        use_reentrant: Which engine runs: False (the default) for the non-reentrant one,
-            True for the reentrant one.
-        policy: The save policy of the non-reentrant engine; None recomputes everything.
+        use_reentrant: Which engine runs: `False` (the default) for the non-reentrant one,
+            `True` for the reentrant one.
+        policy: The save policy of the non-reentrant engine; `None` recomputes everything.
         offload_to_cpu: Keep what the checkpoint saves in host memory.
     """
 
@@ -61,12 +66,23 @@ class CheckpointOptions:
     offload_to_cpu: bool = False
 
     def as_keywords(self) -> dict[str, Any]:
-        """The options as the keyword arguments of :func:`xla_wrap.checkpoint`."""
+        """The options as the keyword arguments of [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
+
+        Returns:
+            A new dict from each option's name (`preserve_rng_state`, `use_reentrant`,
+            `policy`, `offload_to_cpu`) to its value.
+
+        Examples:
+            >>> import torch, xla_wrap
+            >>> layer = xla_wrap.checkpoint_wrapper(torch.nn.Linear(2, 2), policy="dots_saveable")
+            >>> layer.checkpoint_options.as_keywords()["policy"].__name__
+            'dots_saveable'
+        """
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
 
 def options_from(api: str, options: dict[str, Any]) -> CheckpointOptions:
-    """:func:`make_options` for APIs that take the options as ``**kwargs``: an unknown name
+    """`make_options()` for APIs that take the options as `**kwargs`: an unknown name
     gets an error that lists the known ones."""
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
@@ -87,7 +103,7 @@ def make_options(
 ) -> CheckpointOptions:
     """Check the options once, for every API that takes them, and choose the engine.
 
-    The non-reentrant engine is the default (:data:`DEFAULT_REENTRANT`); it alone can apply a
+    The non-reentrant engine is the default (`DEFAULT_REENTRANT`); it alone can apply a
     save policy.
     """
     if use_reentrant is not None and not isinstance(use_reentrant, bool):

@@ -8,9 +8,9 @@ outputs makes the recomputation a different value for XLA (common-subexpression 
 cannot merge it back into the forward) and makes it wait for the gradients (it cannot be
 scheduled early, where it would keep activations alive again).
 
-Both engines run the forward through :func:`record_forward`, which makes every snapshot and
-check in one place and returns a :class:`ForwardRecord` that nothing changes afterwards. What
-a composition adds (FSDP, SPMD shardings) comes in through :mod:`.hooks`.
+Both engines run the forward through `record_forward()`, which makes every snapshot and
+check in one place and returns a `ForwardRecord` that nothing changes afterwards. What
+a composition adds (FSDP, SPMD shardings) comes in through `hooks`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class CheckpointCall:
 
 @dataclass(frozen=True)
 class ForwardRecord:
-    """What the forward of a :class:`CheckpointCall` left for its backward. Made by
-    :func:`record_forward` only; it holds no activation, input or buffer tensor (those live in
+    """What the forward of a `CheckpointCall` left for its backward. Made by
+    `record_forward()` only; it holds no activation, input or buffer tensor (those live in
     the engines' saved tensors, which autograd frees with the graph)."""
 
     call: CheckpointCall
@@ -66,19 +66,19 @@ class ForwardRecord:
         return self.call.api
 
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
-        """Call the function on the forward's arguments with ``inputs`` as their tensors."""
+        """Call the function on the forward's arguments with `inputs` as their tensors."""
         args, kwargs = self.inputs.rebuild(inputs)
         return self.call.function(*args, **kwargs)
 
     def hook_state(self, hook: _hooks.CheckpointHook) -> object:
-        """What ``hook`` recorded in this forward (None if it was not installed then)."""
+        """What `hook` recorded in this forward (None if it was not installed then)."""
         return next((state for h, state in self.hooks if h is hook), None)
 
 
 def record_forward(
     call: CheckpointCall, inputs: Flat, running: AbstractContextManager[Any]
 ) -> tuple[ForwardRecord, Flat, tuple[torch.Tensor, ...]]:
-    """Run ``call`` once on ``inputs`` inside the engine's ``running`` context, and record
+    """Run `call` once on `inputs` inside the engine's `running` context, and record
     what its backward needs: generator and autocast state, the structure of inputs and
     outputs, and what each installed hook remembers about the outputs.
 
@@ -127,7 +127,7 @@ _BUFFER_COPY = "_xla_wrap_buffer_copy"
 
 
 def is_buffer_copy(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a checkpoint's copy of a module buffer as a forward read it."""
+    """Whether `tensor` is a checkpoint's copy of a module buffer as a forward read it."""
     return getattr(tensor, _BUFFER_COPY, False) is True
 
 
@@ -138,9 +138,9 @@ def save_for_recompute(
     buffers: Sequence[torch.Tensor],
     offload: Sequence[bool] = (),
 ) -> None:
-    """Save, as ``ctx``'s saved tensors, what a gate's backward recomputes from: the
-    ``residuals`` (the block's inputs, then ``offload``-flagged kept values), moved to host
-    memory where the options or flags say so, and the ``buffers`` from :func:`record_forward`.
+    """Save, as `ctx`'s saved tensors, what a gate's backward recomputes from: the
+    `residuals` (the block's inputs, then `offload`-flagged kept values), moved to host
+    memory where the options or flags say so, and the `buffers` from `record_forward()`.
     Saved tensors, not attributes: autograd frees them with the graph, and an enclosing
     checkpoint swaps them for placeholders of its own."""
     wanted = [record.call.options.offload_to_cpu] * (len(residuals) - len(offload))
@@ -150,8 +150,8 @@ def save_for_recompute(
 
 
 def saved_for_recompute(ctx: Any) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """What :func:`save_for_recompute` saved: the residuals, back on their devices, and the
-    buffers. Reads ``ctx.saved_tensors`` once: under an enclosing checkpoint each read unpacks
+    """What `save_for_recompute()` saved: the residuals, back on their devices, and the
+    buffers. Reads `ctx.saved_tensors` once: under an enclosing checkpoint each read unpacks
     its placeholders."""
     everything = ctx.saved_tensors
     n_residuals = len(ctx.offload_devices)
@@ -177,9 +177,9 @@ def barrier_for_recompute(
     grads: Sequence[torch.Tensor],
     kept: Sequence[torch.Tensor] = (),
 ) -> Barriered:
-    """Put the saved ``inputs``, the values a save policy ``kept``, the incoming ``grads``, the
-    owners' parameters and their saved ``buffers`` (as the forward read them, from
-    :func:`record_forward`) through one barrier.
+    """Put the saved `inputs`, the values a save policy `kept`, the incoming `grads`, the
+    owners' parameters and their saved `buffers` (as the forward read them, from
+    `record_forward()`) through one barrier.
 
     Saved inputs, kept values and gradients are rewritten in place (their other readers then
     need no pre-barrier copy); parameters and buffers are copied (module state stays). Under
@@ -218,7 +218,7 @@ def barrier_for_recompute(
 def replaying(record: ForwardRecord, copies: Barriered) -> Iterator[None]:
     """Run the block as its forward ran: same generators and autocast settings, the barriered
     parameters and buffers in the modules' slots, gradients recorded, and
-    :func:`xla_wrap.is_recomputing` true."""
+    [`xla_wrap.is_recomputing()`][xla_wrap.is_recomputing] true."""
     with ExitStack() as stack:
         stack.enter_context(recomputing())
         stack.enter_context(checkpointing_as_in_forward())
@@ -238,8 +238,8 @@ def gradients_arrived(
     grads: Sequence[torch.Tensor],
     recomputed: Sequence[torch.Tensor | None],
 ) -> None:
-    """Hand each barriered gradient (of output tensor ``positions[i]``) to the hooks before
-    the block's backward reads it; ``recomputed`` are the matching recomputed outputs, or None
+    """Hand each barriered gradient (of output tensor `positions[i]`) to the hooks before
+    the block's backward reads it; `recomputed` are the matching recomputed outputs, or None
     where the engine has none."""
     for hook, state in record.hooks:
         for position, grad, output in zip(positions, grads, recomputed, strict=True):

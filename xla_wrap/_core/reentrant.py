@@ -1,10 +1,10 @@
 """The reentrant engine: the block runs without a graph and is recomputed and differentiated
 inside the backward of one autograd Function.
 
-The forward (:func:`.recompute.record_forward` under ``no_grad``) saves nothing inside the
-block. :class:`_ReentrantGate` then joins the block's outputs to its inputs and its owners'
+The forward (`recompute.record_forward()` under `no_grad`) saves nothing inside the
+block. `_ReentrantGate` then joins the block's outputs to its inputs and its owners'
 parameters in the autograd graph, saving only the inputs. Its backward puts them through the
-barrier of :mod:`.recompute` with the incoming gradients and the parameters and buffers, runs
+barrier of `recompute` with the incoming gradients and the parameters and buffers, runs
 the block again on the barriered values with the forward's RNG and autocast state, and lets
 gradients flow from the incoming gradients through the recomputed graph.
 
@@ -39,7 +39,7 @@ from .recompute import (
 
 
 def run_reentrant(call: CheckpointCall, inputs: Flat) -> Any:
-    """Run ``call`` on ``inputs`` without a graph, and return its outputs behind the gate."""
+    """Run `call` on `inputs` without a graph, and return its outputs behind the gate."""
     with torch.no_grad(), _selective.active(None):  # an enclosing policy does not look inside
         record, outputs, buffers = record_forward(call, inputs, contextlib.nullcontext())
     tensors = (*inputs.tensors, *call.owners.params)
@@ -53,9 +53,9 @@ def run_reentrant(call: CheckpointCall, inputs: Flat) -> Any:
 
 
 class _ReentrantGate(torch.autograd.Function):
-    """``apply(record, anchor, buffers, n, *inputs, *params, *outputs)`` -> aliases of
-    ``outputs`` whose backward recomputes the block (``n`` counts the inputs and parameters;
-    ``buffers`` are the owners' buffers as the forward read them)."""
+    """`apply(record, anchor, buffers, n, *inputs, *params, *outputs)` -> aliases of
+    `outputs` whose backward recomputes the block (`n` counts the inputs and parameters;
+    `buffers` are the owners' buffers as the forward read them)."""
 
     @staticmethod
     def forward(

@@ -1,14 +1,16 @@
-"""Applying a save policy to a checkpointed forward, and :func:`checkpoint_name`.
+"""Applying a save policy to a checkpointed forward, and
+[`checkpoint_name()`][xla_wrap.checkpoint_name].
 
-In the forward a ``TorchFunctionMode`` sees each torch function the block calls. Every call
-that returns a differentiable tensor, and every :func:`checkpoint_name` tag, is an *occurrence*;
-the policy decides per occurrence whether its value is kept. In the recomputation the same
+In the forward a `TorchFunctionMode` sees each torch function the block calls. Every call
+that returns a differentiable tensor, and every
+[`checkpoint_name()`][xla_wrap.checkpoint_name] tag, is an *occurrence*; the policy decides
+per occurrence whether its value is kept. In the recomputation the same
 calls come in the same order: each still runs (so autograd saves the same tensors as in the
 forward), but a kept occurrence hands the kept value, taken through the barrier, to the rest of
 the block. On XLA the recomputed value then has no reader and the compiler drops the work that
 made it; that is where the saving in compute comes from.
 
-The mode works above autograd, on the functions the block calls. A ``TorchDispatchMode`` (what
+The mode works above autograd, on the functions the block calls. A `TorchDispatchMode` (what
 PyTorch's selective checkpointing uses) would see the functionalized inner tensors on XLA
 instead. Nested checkpoints each apply their own policy: a selection acts only while its own
 checkpoint is the innermost one running.
@@ -35,7 +37,7 @@ from .recompute import raise_not_deterministic
 
 @contextmanager
 def active(selection: Selection | None) -> Iterator[None]:
-    """Make ``selection`` the innermost running one (``None`` hides the outer ones)."""
+    """Make `selection` the innermost running one (`None` hides the outer ones)."""
     local.selections.append(selection)
     try:
         yield
@@ -77,10 +79,10 @@ class Selection:
     def substituting(
         self, kept: Sequence[torch.Tensor], *, connected: bool = False
     ) -> Iterator[None]:
-        """Run the recomputation: kept occurrences hand out ``kept`` (barriered copies).
+        """Run the recomputation: kept occurrences hand out `kept` (barriered copies).
 
         The engines differentiate the forward's own graph, so a substitute is a new leaf.
-        With ``connected`` (a recomputation that is differentiated itself, as in a scanned
+        With `connected` (a recomputation that is differentiated itself, as in a scanned
         stack) a substitute passes its gradient on to the recomputed operation, whose unread
         value XLA then drops.
         """
@@ -171,7 +173,7 @@ class Selection:
 
 
 class _Substitute(torch.autograd.Function):
-    """``apply(recomputed, kept)``: the kept value, differentiated as the recomputed one."""
+    """`apply(recomputed, kept)`: the kept value, differentiated as the recomputed one."""
 
     @staticmethod
     def forward(ctx: Any, recomputed: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -184,9 +186,9 @@ class _Substitute(torch.autograd.Function):
 
 def _is_candidate(function: str, tensors: Sequence[torch.Tensor], inputs: Sequence[object]) -> bool:
     """An operation a policy decides on: it returns differentiable tensors, none of them one
-    of its inputs or a view of one (free to recompute: ``x.to(x.dtype)`` returns ``x``,
-    ``x.view(...)`` its storage), and it is not in-place (its output is its input, changed).
-    A view of a tensor the operation made itself is a result like any other (``linear`` on a
+    of its inputs or a view of one (free to recompute: `x.to(x.dtype)` returns `x`,
+    `x.view(...)` its storage), and it is not in-place (its output is its input, changed).
+    A view of a tensor the operation made itself is a result like any other (`linear` on a
     3-D input returns a view of its matrix product). The answer must not depend on whether an
     input is a view, which a barriered copy is not: inputs and outputs are compared by the
     tensor they view."""
@@ -224,7 +226,7 @@ class _Mode(TorchFunctionMode):
 
 
 def _function_name(func: Any) -> str:
-    """``linear`` for F.linear, ``matmul`` for ``a @ b``, ``add`` for ``Tensor.__radd__``."""
+    """`linear` for F.linear, `matmul` for `a @ b`, `add` for `Tensor.__radd__`."""
     name: str = getattr(func, "__name__", type(func).__name__)
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
@@ -237,11 +239,11 @@ _BINARY_DUNDERS = {"add", "sub", "mul", "matmul", "truediv", "floordiv", "pow", 
 
 
 def checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """Tag ``tensor`` with ``name`` so that a save policy can keep it by name.
+    """Tag `tensor` with `name` so that a save policy can keep it by name.
 
-    Inside a checkpointed call whose policy keeps ``name`` (for example
-    ``checkpoint_policies.save_only_these_names(name)``), the value is kept from the forward
-    and the recomputation reads it instead of recomputing it. Elsewhere this returns ``tensor``
+    Inside a checkpointed call whose policy keeps `name` (for example
+    `checkpoint_policies.save_only_these_names(name)`), the value is kept from the forward
+    and the recomputation reads it instead of recomputing it. Elsewhere this returns `tensor`
     unchanged, so tagged code runs the same with or without checkpointing.
 
     Args:
@@ -249,12 +251,12 @@ def checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
         name: The name a policy refers to.
 
     Returns:
-        ``tensor`` (in a recomputation: the kept value, if the policy kept it).
+        `tensor` (in a recomputation: the kept value, if the policy kept it).
 
     Raises:
-        CheckpointTypeError: If ``tensor`` is not a tensor or ``name`` not a string.
+        CheckpointTypeError: If `tensor` is not a tensor or `name` not a string.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> from xla_wrap import checkpoint_policies as cp
         >>> def block(x):

@@ -1,13 +1,14 @@
-"""``checkpoint_wrapper``: a module that checkpoints every call of itself, and stays what it is.
+"""`checkpoint_wrapper`: a module that checkpoints every call of itself, and stays what it is.
 
-Wrapping does not put the module inside another one. As PyTorch's FSDP2 ``fully_shard`` does,
+Wrapping does not put the module inside another one. As PyTorch's FSDP2 `fully_shard` does,
 the module's class is swapped, in place, for a generated subclass (one per class, cached) whose
-``forward`` runs the original one under :func:`xla_wrap.checkpoint`. The module therefore keeps
-its identity, its class (``isinstance``), its place and name in the module tree
-(``modules()``, ``named_modules()``, ``apply``), and every parameter, buffer, submodule and
+`forward` runs the original one under [`xla_wrap.checkpoint()`][xla_wrap.checkpoint]. The
+module therefore keeps its identity, its class (`isinstance`), its place and name in the module
+tree
+(`modules()`, `named_modules()`, `apply`), and every parameter, buffer, submodule and
 attribute where its own code looks for them, so tools that walk, rename, shard or re-assign
 module state (FSDP auto-wrap policies, torch_xla FSDP's parameter swaps,
-``object.__setattr__``) work on it as on the unwrapped module. ``state_dict`` keys and
+`object.__setattr__`) work on it as on the unwrapped module. `state_dict` keys and
 parameter names never change.
 """
 
@@ -33,12 +34,23 @@ INSTANCE_FORWARD_KEY = "_checkpoint_instance_forward"  # a `forward` set on the 
 
 
 class CheckpointWrapper(nn.Module):
-    """The base of every checkpointed module's class: ``isinstance(m, CheckpointWrapper)``
-    tells whether ``m`` is checkpointed. Made by :func:`checkpoint_wrapper`, never directly.
+    """The base of every checkpointed module's class.
 
-    A checkpointed module of class ``Block`` is an instance of a generated class whose bases
-    are this class and ``Block``; its ``__name__`` is ``Block``'s (tools that find layers by
-    class name still find it) and it pickles and deep-copies as a checkpointed ``Block``.
+    `isinstance(m, CheckpointWrapper)` tells whether `m` is checkpointed. Made by
+    [`checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper], never directly: constructing it
+    raises `CheckpointTypeError`.
+
+    A checkpointed module of class `Block` is an instance of a generated class whose bases
+    are this class and `Block`; its `__name__` is `Block`'s (tools that find layers by
+    class name still find it) and it pickles and deep-copies as a checkpointed `Block`.
+
+    Examples:
+        >>> import torch, xla_wrap
+        >>> layer = xla_wrap.checkpoint_wrapper(torch.nn.Linear(2, 2))
+        >>> isinstance(layer, xla_wrap.CheckpointWrapper), type(layer).__name__
+        (True, 'Linear')
+        >>> layer.checkpoint_module is layer
+        True
     """
 
     # The class the generated class was made for; set on each generated class.
@@ -70,12 +82,12 @@ class CheckpointWrapper(nn.Module):
 
     @property
     def _checkpoint_wrapped_module(self) -> nn.Module:
-        """The module unchecked, under the name PyTorch's ``checkpoint_wrapper`` gives its inner
+        """The module unchecked, under the name PyTorch's `checkpoint_wrapper` gives its inner
         module, for code that reads it: an object of the original class sharing this module's
         state (the same parameters, buffers, submodules and hooks) whose forward is the plain
         one. It has no such attribute itself, so an unwrapping loop
-        (``while hasattr(m, "_checkpoint_wrapped_module")``) ends on it. Not a child: names
-        and ``state_dict`` do not change. A new object on each read."""
+        (`while hasattr(m, "_checkpoint_wrapped_module")`) ends on it. Not a child: names
+        and `state_dict` do not change. A new object on each read."""
         # a class derived from a generated one inherits its _checkpoint_base
         plain = nn.Module.__new__(type(self)._checkpoint_base)
         plain.__dict__ = self.__dict__  # shared: state stays one
@@ -90,6 +102,19 @@ class CheckpointWrapper(nn.Module):
         super().__setattr__(name, value)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's own forward as a checkpoint.
+
+        It runs with [`checkpoint_options`][xla_wrap.CheckpointWrapper.checkpoint_options], and the
+        module's parameters and buffers join the barrier. Under `torch.no_grad()`, or inside
+        [`xla_wrap.disable_checkpointing()`][xla_wrap.disable_checkpointing], it is a plain call.
+
+        Args:
+            *args: The module's positional arguments.
+            **kwargs: The module's keyword arguments.
+
+        Returns:
+            What the module's own forward returns.
+        """
         return run_checkpointed(
             "xla_wrap.checkpoint_wrapper",
             self.unchecked_forward,
@@ -124,15 +149,15 @@ class CheckpointWrapper(nn.Module):
 
 
 def unwrapped_class(module: nn.Module) -> type[nn.Module]:
-    """The class ``module`` has without checkpointing (its own class if it is not wrapped)."""
+    """The class `module` has without checkpointing (its own class if it is not wrapped)."""
     if isinstance(module, CheckpointWrapper):
         return type(module)._checkpoint_base
     return type(module)
 
 
 def checkpointed_class(base: type[nn.Module]) -> type[CheckpointWrapper]:
-    """The generated checkpointed class for modules of class ``base``: one per class, so that
-    every checkpointed ``Block`` has the same class, as ``type(a) is type(b)`` checks expect."""
+    """The generated checkpointed class for modules of class `base`: one per class, so that
+    every checkpointed `Block` has the same class, as `type(a) is type(b)` checks expect."""
     cls = process.checkpointed_classes.get(base)
     if cls is None:
         namespace = {
@@ -149,7 +174,7 @@ def checkpointed_class(base: type[nn.Module]) -> type[CheckpointWrapper]:
 
 
 def _new_checkpointed(base: type[nn.Module]) -> CheckpointWrapper:
-    """An empty checkpointed module of class ``base``, for unpickling and deep copies."""
+    """An empty checkpointed module of class `base`, for unpickling and deep copies."""
     cls = checkpointed_class(base)
     module: CheckpointWrapper = nn.Module.__new__(cls)
     return module
@@ -164,7 +189,7 @@ def _new_of_class(cls: type[CheckpointWrapper]) -> CheckpointWrapper:
 def checkpoint_in_place(
     api: str, module: nn.Module, options: CheckpointOptions
 ) -> CheckpointWrapper:
-    """Make ``module`` checkpoint every call with ``options``; the one place that does it."""
+    """Make `module` checkpoint every call with `options`; the one place that does it."""
     if isinstance(module, CheckpointWrapper):
         if module.checkpoint_options == options:
             return module
@@ -192,20 +217,23 @@ def checkpoint_in_place(
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """Undo :func:`checkpoint_wrapper` in place: ``module`` gets its own class back and is no
-    longer checkpointed. A module that is not checkpointed is returned as it is.
+    """Undo [`checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper] in place.
+
+    `module` gets its own class back and is no longer checkpointed. A module that is not
+    checkpointed is returned as it is.
 
     Args:
-        module: A module made by :func:`checkpoint_wrapper` (or any module).
+        module: A module made by [`checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper] (or
+            any module).
 
     Returns:
-        ``module``.
+        `module`.
 
     Raises:
         CheckpointTypeError: If another library derived a class from the checkpointed one
-            since (FSDP2's ``fully_shard``), which cannot be undone without undoing that.
+            since (FSDP2's `fully_shard`), which cannot be undone without undoing that.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> layer = xla_wrap.checkpoint_wrapper(torch.nn.Linear(2, 2))
         >>> type(xla_wrap.unwrap(layer)) is torch.nn.Linear
@@ -237,17 +265,18 @@ def checkpoint_wrapper(
     policy: SavePolicy | str | None = None,
     offload_to_cpu: bool = False,
 ) -> M:
-    """Make ``module`` checkpoint every call of itself with an optimization barrier.
+    """Make `module` checkpoint every call of itself with an optimization barrier.
 
     The module is changed in place and returned: its class becomes a generated subclass of its
-    own class (also a :class:`CheckpointWrapper`) whose forward runs under
-    :func:`xla_wrap.checkpoint`. Nothing else changes: ``isinstance``, its place in the module
-    tree, parameter names, ``state_dict`` keys, optimizer groups and attribute access are those
-    of the unwrapped module, so ``model.block = checkpoint_wrapper(model.block)`` and
-    ``checkpoint_wrapper(model.block)`` do the same. The forward accepts any positional and
-    keyword arguments. Under ``torch.no_grad()`` it is a plain call. Hooks registered on the
-    module run once per call, around the checkpoint; hooks of its submodules also run in the
-    recomputation. :func:`unwrap` undoes it.
+    own class (also a [`CheckpointWrapper`][xla_wrap.CheckpointWrapper]) whose forward runs
+    under [`xla_wrap.checkpoint()`][xla_wrap.checkpoint]. Nothing else changes: `isinstance`,
+    its place in the module tree, parameter names, `state_dict` keys, optimizer groups and
+    attribute access are those of the unwrapped module, so
+    `model.block = checkpoint_wrapper(model.block)` and `checkpoint_wrapper(model.block)` do
+    the same. The forward accepts any positional and keyword arguments. Under
+    `torch.no_grad()` it is a plain call. Hooks registered on the module run once per call,
+    around the checkpoint; hooks of its submodules also run in the recomputation.
+    [`unwrap()`][xla_wrap.unwrap] undoes it.
 
     Wrapping a checkpointed module again with the same options returns it unchanged
     (checkpoints are never nested); with different options it raises.
@@ -257,22 +286,24 @@ def checkpoint_wrapper(
         preserve_rng_state: Replay the CPU, CUDA and XLA generators so that Dropout draws the
             same mask in the recomputation as in the forward. Turn off only for blocks
             without random ops, to skip saving generator states.
-        use_reentrant: The engine, as for :func:`xla_wrap.checkpoint`.
-        policy: A save policy (:mod:`xla_wrap.checkpoint_policies`), as for
-            :func:`xla_wrap.checkpoint`.
+        use_reentrant: The engine, as for [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
+        policy: A save policy
+            ([`xla_wrap.checkpoint_policies`][xla_wrap.checkpoint_policies], a function or its
+            name), as for [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
         offload_to_cpu: Keep what the checkpoint saves in host memory until backward, as for
-            :func:`xla_wrap.checkpoint`.
+            [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
 
     Returns:
-        ``module``, now checkpointed.
+        `module`, now checkpointed.
 
     Raises:
-        CheckpointTypeError: If ``module`` is not an ``nn.Module``, or its class cannot be
-            derived from.
-        CheckpointValueError: If ``module`` is already checkpointed with other options, or
-            ``policy`` is unknown or given with ``use_reentrant=True``.
+        CheckpointTypeError: If `module` is not an `nn.Module`, its class cannot be derived
+            from, `use_reentrant` is not a bool or `None`, `policy` is neither a policy name
+            nor callable, or `module` is a unit of PyTorch's FSDP1.
+        CheckpointValueError: If `module` is already checkpointed with other options, or
+            `policy` is unknown or given with `use_reentrant=True`.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         >>> model[0] = xla_wrap.checkpoint_wrapper(model[0])

@@ -1,5 +1,5 @@
 """FSDP units built around checkpoints, and the hooks that keep FSDP out of the checkpoint
-core (the face is :mod:`xla_wrap.fsdp`)."""
+core (the face is [`xla_wrap.fsdp`][xla_wrap.fsdp])."""
 
 from __future__ import annotations
 
@@ -26,12 +26,34 @@ __all__ = ["auto_wrap_policy", "auto_wrapper_callable", "fsdp_units"]
 
 
 def auto_wrap_policy(policy: WrapPolicy, model: nn.Module) -> Callable[..., bool]:
-    """FSDP's ``auto_wrap_policy`` callback for the submodules ``policy`` selects in ``model``.
+    """FSDP's `auto_wrap_policy` callback for the submodules `policy` selects in `model`.
 
-    Works with torch_xla's FSDP (``module=, recurse=, unwrapped_params=``) and PyTorch's FSDP1
-    (``module, recurse, nonwrapped_numel``): FSDP recurses everywhere, and wraps exactly the
-    selected modules. The selection is made on ``model`` as it is now, before FSDP wraps
+    Works with torch_xla's FSDP (`module=, recurse=, unwrapped_params=`) and PyTorch's FSDP1
+    (`module, recurse, nonwrapped_numel`): FSDP recurses everywhere, and wraps exactly the
+    selected modules. The selection is made on `model` as it is now, before FSDP wraps
     anything, so pass the model you are about to give FSDP.
+
+    Args:
+        policy: The [`xla_wrap.wrap_policies`][xla_wrap.wrap_policies] policy that selects
+            the modules to become FSDP units.
+        model: The model about to be given to FSDP, not wrapped by FSDP yet.
+
+    Returns:
+        The callback to pass as FSDP's `auto_wrap_policy`: `True` when FSDP asks whether to
+        recurse, and, for a module, whether `policy` selected it.
+
+    Raises:
+        CheckpointValueError: If `model` already contains FSDP units.
+
+    Examples:
+        >>> import torch
+        >>> from xla_wrap import fsdp, wrap_policies
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> callback = fsdp.auto_wrap_policy(wrap_policies.by_type(torch.nn.Linear), model)
+        >>> callback(module=model[0], recurse=False, unwrapped_params=6)
+        True
+        >>> callback(module=model[1], recurse=False, unwrapped_params=0)
+        False
     """
     units = fsdp_units(model)
     if units:
@@ -51,14 +73,32 @@ def auto_wrap_policy(policy: WrapPolicy, model: nn.Module) -> Callable[..., bool
 def auto_wrapper_callable(
     *, fsdp_class: type | None = None, plan: CheckpointPlan | None = None, **checkpoint_options: Any
 ) -> Callable[..., nn.Module]:
-    """FSDP's ``auto_wrapper_callable``: build each unit as ``FSDP(checkpoint_wrapper(m))``.
+    """FSDP's `auto_wrapper_callable`: build each unit as `FSDP(checkpoint_wrapper(m))`.
+
+    The unit's output sharding, when SPMD FSDPv2 gives it one, is handed to the checkpoint,
+    so that the recomputation in backward stays sharded.
 
     Args:
-        fsdp_class: The FSDP class; torch_xla's ``XlaFullyShardedDataParallel`` if omitted.
-        plan: A :class:`xla_wrap.CheckpointPlan` made on the model about to be wrapped: each
-            unit is checkpointed as the plan chose for its module (or not at all), in place of
-            one set of options for all.
-        **checkpoint_options: Options for :func:`xla_wrap.checkpoint_wrapper`.
+        fsdp_class: The FSDP class to build units with (`SpmdFullyShardedDataParallel` for
+            FSDPv2); torch_xla's `XlaFullyShardedDataParallel` if omitted.
+        plan: A [`xla_wrap.CheckpointPlan`][xla_wrap.CheckpointPlan] made on the model about
+            to be wrapped: each unit is checkpointed as the plan chose for its module (or not
+            at all), in place of one set of options for all.
+        **checkpoint_options: Options for
+            [`xla_wrap.checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper]
+            (`preserve_rng_state`, `use_reentrant`, `policy`, `offload_to_cpu`), the same for
+            every unit; not with `plan`.
+
+    Returns:
+        The callable to pass as FSDP's `auto_wrapper_callable`: called with a module and
+        FSDP's arguments, it returns the FSDP unit.
+
+    Raises:
+        CheckpointTypeError: If an option is unknown or has the wrong type, or `plan` is not
+            a `CheckpointPlan` or is given with other options.
+        CheckpointValueError: If the save `policy` is unknown or given with
+            `use_reentrant=True`.
+        ImportError: If `fsdp_class` is omitted and torch_xla is not installed.
     """
     api = "xla_wrap.fsdp.auto_wrapper_callable"
     options = options_from(api, checkpoint_options)  # fail early
@@ -85,7 +125,24 @@ def auto_wrapper_callable(
 
 
 def fsdp_units(model: nn.Module) -> list[str]:
-    """Qualified names of the FSDP units in ``model`` ("" for the model itself)."""
+    """Qualified names of the FSDP units in `model`.
+
+    A unit is a module of any FSDP class (torch_xla's FSDP and FSDPv2, PyTorch's FSDP1 and
+    FSDP2, FairScale's), recognised by class name.
+
+    Args:
+        model: The model to look through, itself included.
+
+    Returns:
+        The units' qualified names in `named_modules` order (`""` for the model itself);
+        empty if FSDP has not wrapped anything in `model`.
+
+    Examples:
+        >>> import torch
+        >>> from xla_wrap import fsdp
+        >>> fsdp.fsdp_units(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        []
+    """
     return [name for name, module in model.named_modules() if is_unit(module)]
 
 
@@ -108,9 +165,9 @@ class _EagerFsdpUnits(_hooks.CheckpointHook):
 
         FSDP1's unit is a wrapper whose forward gathers and frees the parameters and
         registers backward hooks; recomputed in backward, it would run that forward again
-        where FSDP1's state machine expects a backward. FSDP2's ``fully_shard`` keeps its
+        where FSDP1's state machine expects a backward. FSDP2's `fully_shard` keeps its
         hooks on the module itself, so they run around the checkpoint, as they do for
-        ``fully_shard(checkpoint_wrapper(block))``; torch_xla's FSDP expects checkpoints
+        `fully_shard(checkpoint_wrapper(block))`; torch_xla's FSDP expects checkpoints
         around its units (docs/fsdp.md).
         """
         eager_fsdp = sys.modules.get("torch.distributed.fsdp")
@@ -153,7 +210,8 @@ class _SpmdOutputSharding(_hooks.CheckpointHook):
     gathers its activations in full. Each gradient therefore gets the sharding of its output:
     found on the recomputed output, recorded on the forward's output, or given to the output
     only after the checkpoint returned it (FSDPv2 annotates a unit's output then; the units
-    :func:`auto_wrapper_callable` builds report it through :func:`_record_output_sharding`).
+    [`auto_wrapper_callable()`][xla_wrap.fsdp.auto_wrapper_callable] builds report it through
+    `_record_output_sharding()`).
     """
 
     def on_forward(self, outputs: Sequence[torch.Tensor]) -> list[object | None]:
@@ -175,7 +233,7 @@ class _SpmdOutputSharding(_hooks.CheckpointHook):
 class _XlaFsdpRecomputing(_hooks.CheckpointHook):
     """Tell XLA FSDP that a checkpointed block is being recomputed in backward, as torch_xla's
     own checkpoint does: XLA FSDP then skips resharding the parameters it is about to gather
-    again (``torch_xla.utils.checkpoint.chkpt_status``)."""
+    again (`torch_xla.utils.checkpoint.chkpt_status`)."""
 
     def replaying(self) -> AbstractContextManager[None]:
         return _xla.checkpoint_backward_status()
@@ -188,12 +246,12 @@ _hooks.install(_XlaFsdpRecomputing())
 
 
 def _record_output_sharding(output: torch.Tensor) -> None:
-    """Record the sharding given to ``output`` after a checkpoint returned it.
+    """Record the sharding given to `output` after a checkpoint returned it.
 
     SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
-    made of the checkpoint's output. This walks from ``output`` back through such pass-through
+    made of the checkpoint's output. This walks from `output` back through such pass-through
     nodes to the checkpoint that produced it (either engine's gate carries its
-    :class:`ForwardRecord`), so that its backward shards the gradient the same way. An output
+    `ForwardRecord`), so that its backward shards the gradient the same way. An output
     that no checkpoint produced, or that has no sharding, is left alone.
     """
     op_sharding = _xla.sharding(output)

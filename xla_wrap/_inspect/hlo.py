@@ -20,13 +20,38 @@ FLOP_OPCODES = ("dot", "convolution")
 
 
 def count_instructions(hlo: str, opcode: str, *, reading: str | None = None) -> int:
-    """How many instructions of ``opcode`` (``"dot"``, ``"opt-barrier"``, ...) ``hlo`` has.
+    """How many instructions of `opcode` (`"dot"`, `"opt-barrier"`, ...) `hlo` has.
 
     Only instruction definitions count, not the same word in metadata or attributes. With
-    ``reading=``, only the instructions that read an output of a ``reading`` instruction,
+    `reading=`, only the instructions that read an output of a `reading` instruction,
     directly or through pure data movement (tuple access, copies, bitcasts, transposes,
-    reshapes): ``count_instructions(hlo, "all-gather", reading="opt-barrier")`` counts the
+    reshapes): `count_instructions(hlo, "all-gather", reading="opt-barrier")` counts the
     gathers of barriered values, in a checkpointed SPMD step the recomputation's re-gathers.
+
+    Args:
+        hlo: HLO text (optimized or not, a whole module or a fragment of instructions).
+        opcode: The opcode to count, as XLA spells it.
+        reading: Another opcode; when given, only instructions that read its output
+            count. `None` (the default) counts them all.
+
+    Returns:
+        The number of such instructions.
+
+    Examples:
+        >>> from xla_wrap import introspect
+        >>> hlo = '''
+        ... %p = (f32[8,16]{1,0}, f32[16,4]{1,0}) parameter(0)
+        ... %t = (f32[8,16]{1,0}, f32[16,4]{1,0}) opt-barrier(%p)
+        ... %a = f32[8,16]{1,0} get-tuple-element(%t), index=0
+        ... %b = f32[16,4]{1,0} get-tuple-element(%p), index=1
+        ... %d.1 = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ... %c = f32[8,16]{1,0} get-tuple-element(%p), index=0
+        ... %d.2 = f32[8,4]{1,0} dot(%c, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ... '''
+        >>> introspect.count_instructions(hlo, "dot")
+        2
+        >>> introspect.count_instructions(hlo, "dot", reading="opt-barrier")
+        1
     """
     instructions = _instructions(hlo)
     if reading is None:
@@ -63,7 +88,7 @@ class _Instruction:
 
 
 def _closing(text: str, start: int) -> int:
-    """Index of the bracket that closes the one opened at ``text[start]``."""
+    """Index of the bracket that closes the one opened at `text[start]`."""
     depth = 0
     for index in range(start, len(text)):
         depth += {"(": 1, ")": -1}.get(text[index], 0)
@@ -121,9 +146,9 @@ def _instructions(hlo: str) -> list[_Instruction]:
 
 
 def flops(hlo: str) -> int:
-    """Floating-point operations of the dots and convolutions in ``hlo`` (2 per multiply-add),
+    """Floating-point operations of the dots and convolutions in `hlo` (2 per multiply-add),
     as executed: a While loop's body counts once per iteration where XLA knows the trip count
-    (``known_trip_count``, which it annotates on the optimized HLO), else once.
+    (`known_trip_count`, which it annotates on the optimized HLO), else once.
 
     Elementwise work is left out: it is small next to matmuls and convolutions, and it is what
     XLA fuses differently from run to run. Matmuls a backend rewrote into custom calls (cuBLAS,
@@ -210,7 +235,7 @@ def _dot_flops(inst: _Instruction, dims: dict[str, tuple[int, ...]]) -> int:
 class BufferAssignment:
     """XLA's buffer assignment of one compiled program, in bytes.
 
-    ``total`` is the program's peak device memory: every allocation after liveness-based
+    `total` is the program's peak device memory: every allocation after liveness-based
     packing. It splits into the program's arguments (parameters, donated or not), its outputs,
     and temporaries (everything else, mostly one packed preallocated block).
     """
@@ -222,7 +247,7 @@ class BufferAssignment:
 
 
 def parse_buffer_assignment(text: str) -> BufferAssignment | None:
-    """Read a ``*buffer-assignment.txt`` dump; None if it has no total."""
+    """Read a `*buffer-assignment.txt` dump; None if it has no total."""
     total = _TOTAL.search(text)
     if total is None:
         return None

@@ -1,5 +1,5 @@
 """What XLA made of a step, read back from its dumps and lazy graphs (the face is
-:mod:`xla_wrap.introspect`)."""
+[`xla_wrap.introspect`][xla_wrap.introspect])."""
 
 from __future__ import annotations
 
@@ -28,7 +28,29 @@ def hlo_flops(hlo: str) -> int:
     """Floating-point operations of the dot and convolution instructions in HLO text.
 
     Counting them in the *optimized* HLO of a training step shows what recomputation really
-    costs: work XLA eliminated as dead code or merged away is not counted.
+    costs: work XLA eliminated as dead code or merged away is not counted. A multiply-add
+    counts 2; a While loop's body counts once per iteration where XLA annotated the trip count
+    (`known_trip_count`), else once. Elementwise work, and matmuls a backend rewrote into
+    custom calls (cuBLAS, oneDNN), are not counted.
+
+    Args:
+        hlo: HLO text: a module as XLA dumps it (`*after_optimizations.txt`,
+            [`CompiledProgram.optimized_hlo`][xla_wrap.introspect.CompiledProgram]), as
+            [`pending_hlo()`][xla_wrap.introspect.pending_hlo] returns it, or a fragment of
+            instructions (each then counted once).
+
+    Returns:
+        The FLOP count; 0 for text without dots or convolutions.
+
+    Examples:
+        >>> from xla_wrap import introspect
+        >>> hlo = '''
+        ... %a = f32[8,16]{1,0} parameter(0)
+        ... %b = f32[16,4]{1,0} parameter(1)
+        ... %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ... '''
+        >>> introspect.hlo_flops(hlo)  # 8 x 4 outputs, 16 multiply-adds each
+        1024
     """
     return _hlo.flops(hlo)
 
@@ -38,7 +60,7 @@ class CompiledProgram:
     """One program XLA compiled, from its dumps.
 
     Attributes:
-        name: XLA's module name as dumped (``module_0003.SyncTensorsGraph.412``).
+        name: XLA's module name as dumped (`module_0003.SyncTensorsGraph.412`).
         total_bytes: Peak device memory of the program (XLA's buffer assignment).
         argument_bytes: The part taken by the program's arguments (parameters, inputs).
         output_bytes: The part taken by its outputs.
@@ -55,30 +77,55 @@ class CompiledProgram:
 
     @property
     def total_mib(self) -> float:
+        """`total_bytes` in MiB."""
         return self.total_bytes / 2**20
 
     @property
     def flops(self) -> int:
-        """FLOPs of the program's dots and convolutions (see :func:`hlo_flops`)."""
+        """FLOPs of the program's dots and convolutions
+        (see [`hlo_flops()`][xla_wrap.introspect.hlo_flops])."""
         return _hlo.flops(self.optimized_hlo)
 
     def count(self, opcode: str, *, reading: str | None = None) -> int:
-        """How many instructions of ``opcode`` (``"dot"``, ``"convolution"``,
-        ``"opt-barrier"``, ``"all-gather"``) the optimized program contains.
+        """How many instructions of `opcode` the optimized program contains.
 
-        With ``reading=``, only those that read an output of a ``reading`` instruction
-        (through tuple access and pure data movement): ``count("all-gather",
-        reading="opt-barrier")`` is the number of parameter re-gathers that the recomputation
-        makes from barriered shards, separate from the forward's gathers.
+        Opcodes as XLA spells them: `"dot"`, `"convolution"`, `"opt-barrier"`, `"all-gather"`.
+
+        With `reading=`, only those that read an output of a `reading` instruction
+        (through tuple access and pure data movement):
+        `count("all-gather", reading="opt-barrier")` is the number of parameter re-gathers
+        that the recomputation makes from barriered shards, separate from the forward's
+        gathers.
+
+        Args:
+            opcode: The HLO opcode to count, as XLA spells it.
+            reading: Another opcode; when given, only instructions that read its output
+                count. `None` (the default) counts them all.
+
+        Returns:
+            The number of such instructions (see
+            [`count_instructions()`][xla_wrap.introspect.count_instructions]).
         """
         return _hlo.count_instructions(self.optimized_hlo, opcode, reading=reading)
 
 
 def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
-    """The HLO text, before XLA's optimizations, of the computation pending for XLA ``tensors``.
+    """The HLO text, before XLA's optimizations, of the computation pending for XLA `tensors`.
+
+    Nothing is compiled or executed: this is what the next `torch_xla.sync()` would compile
+    for them (XLA may still eliminate or merge parts of it when it optimizes).
+
+    Args:
+        tensors: Lazy tensors on an XLA device whose computation is not executed yet.
+
+    Returns:
+        The HLO module text, operands printed with their shapes; it can be read with
+        [`count_instructions()`][xla_wrap.introspect.count_instructions] and
+        [`hlo_flops()`][xla_wrap.introspect.hlo_flops].
 
     Raises:
-        CheckpointValueError: If a tensor is not on an XLA device.
+        CheckpointValueError: If torch_xla is not imported or a tensor is not on an XLA
+            device.
     """
     if _xla.loaded("torch_xla") is None or not all(_xla.is_xla_tensor(t) for t in tensors):
         raise CheckpointValueError(
@@ -89,17 +136,40 @@ def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
 
 
 def dump_directory(xla_flags: str | None = None) -> Path | None:
-    """The ``--xla_dump_to`` directory of this process, or None when XLA is not dumping."""
+    """The `--xla_dump_to` directory of this process, or None when XLA is not dumping.
+
+    Args:
+        xla_flags: Flags to read, as in `XLA_FLAGS`; `None` (the default) reads this
+            process's `XLA_FLAGS` environment variable.
+
+    Returns:
+        The directory of the first `--xla_dump_to` flag with a value, or `None` if there is
+        none.
+
+    Examples:
+        >>> from xla_wrap import introspect
+        >>> introspect.dump_directory("--xla_dump_to=/tmp/dumps --xla_dump_hlo_as_text")
+        PosixPath('/tmp/dumps')
+        >>> introspect.dump_directory("") is None
+        True
+    """
     directories = [value for value in flag_values("--xla_dump_to", xla_flags) if value]
     return Path(directories[0]) if directories else None
 
 
 def enable_compile_dumps(directory: str | os.PathLike[str] | None = None) -> Path:
-    """Make XLA dump what it compiles, so that :func:`compiled_memory` can read it.
+    """Make XLA dump what it compiles, so that its compiled memory can be read.
 
-    Call it before the process creates its first XLA device: XLA reads ``XLA_FLAGS`` once. With
-    no ``directory``, a temporary one is made and removed when the process exits. If the process
-    already dumps (``--xla_dump_to`` in ``XLA_FLAGS``), that directory is returned unchanged.
+    [`compiled_memory()`][xla_wrap.introspect.compiled_memory] and
+    [`compiled_programs()`][xla_wrap.introspect.compiled_programs] read the dumps. Call it
+    before the process creates its first XLA device: XLA reads `XLA_FLAGS` once. It appends
+    `--xla_dump_to` to this process's `XLA_FLAGS` environment variable. If the
+    process already dumps (`--xla_dump_to` in `XLA_FLAGS`), that directory is returned
+    unchanged.
+
+    Args:
+        directory: Where XLA writes its dumps (made if missing). `None` (the default) makes
+            a temporary directory, removed when the process exits.
 
     Returns:
         The dump directory.
@@ -128,14 +198,23 @@ def enable_compile_dumps(directory: str | os.PathLike[str] | None = None) -> Pat
 
 
 def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
-    """Run ``step`` and return every program XLA compiled while it ran, largest peak first.
+    """Run `step` and return every program XLA compiled while it ran, largest peak first.
 
-    ``step`` must end with ``torch_xla.sync()`` (or otherwise execute its graph). A program
+    `step` must end with `torch_xla.sync()` (or otherwise execute its graph). A program
     compiled earlier in the process comes from the cache and is not reported: measure each
     configuration once per process. Every dump file the step produced is deleted.
 
+    Args:
+        step: Called once with no arguments: a training step on an XLA device, its graph
+            executed before it returns.
+
+    Returns:
+        One [`CompiledProgram`][xla_wrap.introspect.CompiledProgram] per program compiled
+        while `step` ran, sorted by `total_bytes`, largest first.
+
     Raises:
-        CheckpointValueError: If XLA is not dumping (see :func:`enable_compile_dumps`) or the
+        CheckpointValueError: If XLA is not dumping (see
+            [`enable_compile_dumps()`][xla_wrap.introspect.enable_compile_dumps]) or the
             step compiled nothing.
     """
     directory = dump_directory()
@@ -182,7 +261,17 @@ def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
 
 @dataclass(frozen=True)
 class RecomputeCost:
-    """What a checkpointed program computes beyond the plain one (see :func:`recompute_cost`)."""
+    """What a checkpointed program computes beyond the plain one.
+
+    Made by [`recompute_cost()`][xla_wrap.introspect.recompute_cost].
+
+    Attributes:
+        extra_dots: How many more dot instructions the checkpointed program has.
+        extra_convolutions: How many more convolution instructions it has.
+        extra_flops: How many more FLOPs its dots and convolutions compute.
+        flops_ratio: Its dot and convolution FLOPs over the plain program's; `nan` when the
+            plain program has none.
+    """
 
     extra_dots: int
     extra_convolutions: int
@@ -191,14 +280,22 @@ class RecomputeCost:
 
 
 def recompute_cost(plain: CompiledProgram, checkpointed: CompiledProgram) -> RecomputeCost:
-    """The dot and convolution work a checkpointed step adds to the same step without
-    checkpointing, both read from their optimized HLO.
+    """The dot and convolution work that checkpointing adds to a step.
 
-    Full recomputation adds at most one forward of the checkpointed blocks: a FLOP ratio of at
+    Both steps, with and without checkpointing, are read from their optimized HLO. Full
+    recomputation adds at most one forward of the checkpointed blocks: a FLOP ratio of at
     most 4/3 when every block is checkpointed. A ratio of 1.0 means XLA merged the
     recomputation back into the forward (no barrier), and saved no memory either.
 
-    Example:
+    Args:
+        plain: The step without checkpointing, from
+            [`compiled_memory()`][xla_wrap.introspect.compiled_memory].
+        checkpointed: The same step with checkpointing.
+
+    Returns:
+        The differences, `checkpointed` minus `plain`, and the FLOP ratio.
+
+    Examples:
         >>> cost = introspect.recompute_cost(plain, checkpointed)  # doctest: +SKIP
         >>> cost.flops_ratio  # doctest: +SKIP
         1.32
@@ -214,10 +311,21 @@ def recompute_cost(plain: CompiledProgram, checkpointed: CompiledProgram) -> Rec
 
 
 def compiled_memory(step: Callable[[], Any]) -> CompiledProgram:
-    """Run ``step`` and return the largest program it compiled: the step's compiled peak.
+    """Run `step` and return the largest program it compiled: the step's compiled peak.
+
+    As [`compiled_programs()`][xla_wrap.introspect.compiled_programs], which it calls: call
+    [`enable_compile_dumps()`][xla_wrap.introspect.enable_compile_dumps] first, and measure
+    each configuration once per process.
+
+    Args:
+        step: Called once with no arguments: a training step on an XLA device that ends with
+            `torch_xla.sync()`.
+
+    Returns:
+        The program with the largest `total_bytes` compiled while `step` ran.
 
     Raises:
-        CheckpointValueError: As :func:`compiled_programs`.
+        CheckpointValueError: If XLA is not dumping, or the step compiled nothing.
     """
     return compiled_programs(step)[0]
 

@@ -1,9 +1,9 @@
-"""What a forward keeps for backward, in the spirit of JAX's ``print_saved_residuals``.
+"""What a forward keeps for backward, in the spirit of JAX's `print_saved_residuals`.
 
 Every tensor autograd keeps for backward passes through the saved-tensor pack hook at the
-moment it is saved. Recording it there (rather than reading the ``_saved_*`` attributes of the
+moment it is saved. Recording it there (rather than reading the `_saved_*` attributes of the
 graph afterwards) sees exactly what is kept, and never triggers the unpack hooks of other tools
-(``torch.utils.checkpoint`` recomputes when its saved tensors are read).
+(`torch.utils.checkpoint` recomputes when its saved tensors are read).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class Residual:
         shape: Its shape.
         dtype: Its dtype.
         nbytes: Its size in bytes.
-        kind: ``"input"`` (one of the call's tensor arguments, or a view of one),
-            ``"parameter"`` (another leaf that requires grad, or a view of one),
-            ``"buffer"`` (an xla_wrap checkpoint's copy of a module buffer as the forward read
-            it: on XLA free unless the forward changes the buffer), or ``"activation"``
+        kind: `"input"` (one of the call's tensor arguments, or a view of one),
+            `"parameter"` (another leaf that requires grad, or a view of one),
+            `"buffer"` (an xla_wrap checkpoint's copy of a module buffer as the forward read
+            it: on XLA free unless the forward changes the buffer), or `"activation"`
             (computed by the forward: what checkpointing exists to shrink).
-        made_by: For an activation, the op that computed it (``"relu"``, ``"addmm"``); empty
+        made_by: For an activation, the op that computed it (`"relu"`, `"addmm"`); empty
             otherwise.
     """
 
@@ -52,11 +52,11 @@ class Residual:
 
 
 def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
-    """Run ``function(*args, **kwargs)`` once with autograd on and list what it saves for
-    backward.
+    """Run `function(*args, **kwargs)` once and list what it saves for backward.
 
-    Works on eager and XLA tensors alike; on XLA it only traces (nothing is executed). A block
-    checkpointed by xla_wrap shows up as its inputs alone.
+    The call runs with autograd on. It works on eager and XLA tensors alike; on XLA it only
+    traces (nothing is executed). A block checkpointed by xla_wrap shows up as its inputs
+    alone.
 
     Args:
         function: A module or any callable.
@@ -64,14 +64,17 @@ def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
         **kwargs: Its keyword arguments.
 
     Returns:
-        One :class:`Residual` per distinct saved tensor, in the order they were saved.
+        One [`Residual`][xla_wrap.introspect.Residual] per distinct saved tensor, in the
+        order they were saved.
 
     Raises:
-        CheckpointTypeError: If ``function`` is not callable.
+        CheckpointTypeError: If `function` is not callable.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
-        >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> mlp = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        ... )
         >>> residuals = xla_wrap.introspect.saved_residuals(mlp, torch.randn(3, 4))
         >>> [(r.kind, r.made_by) for r in residuals]  # the input, the ReLU output, a weight
         [('input', ''), ('activation', 'relu'), ('parameter', '')]
@@ -98,7 +101,27 @@ def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 
 
 def format_residuals(residuals: list[Residual]) -> str:
-    """A table of ``residuals`` with totals per kind, for printing."""
+    """A table of `residuals` with totals per kind, for printing.
+
+    Args:
+        residuals: What [`saved_residuals()`][xla_wrap.introspect.saved_residuals] returned.
+
+    Returns:
+        One line per residual (kind, shape, dtype, bytes, the op that made it), then a line
+        with the total and the total per kind, in MiB.
+
+    Examples:
+        >>> import torch
+        >>> from xla_wrap import introspect
+        >>> mlp = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        ... )
+        >>> print(introspect.format_residuals(introspect.saved_residuals(mlp, torch.randn(3, 4))))
+        input      3x4                  torch.float32              48 B
+        activation 3x8                  torch.float32              96 B  relu
+        parameter  8x2                  torch.float32              64 B
+        total 0.00 MiB (activation 0.00 MiB, input 0.00 MiB, parameter 0.00 MiB)
+    """
     lines = [str(r) for r in residuals]
     totals: dict[str, int] = {}
     for r in residuals:

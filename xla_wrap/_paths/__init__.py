@@ -1,11 +1,11 @@
 """Execution paths, and the switchboard the checkpoint core asks.
 
 The core imports this module only, never a path's room: it asks the path of its tensors
-(:func:`path_of`, :func:`device_path`) the questions of
-:class:`~xla_wrap._paths.base.ExecutionPath`, and whether Dynamo is tracing (then every
-checkpoint becomes the compiler's own, :mod:`xla_wrap._paths.compiled`). The rooms below are
-each the only importer of their library: ``xla`` of torch_xla, ``compiled`` of Dynamo,
-AOTAutograd and ``torch.utils.checkpoint``.
+(`path_of()`, `device_path()`) the questions of
+`ExecutionPath`, and whether Dynamo is tracing (then every
+checkpoint becomes the compiler's own, `xla_wrap._paths.compiled`). The rooms below are
+each the only importer of their library: `xla` of torch_xla, `compiled` of Dynamo,
+AOTAutograd and `torch.utils.checkpoint`.
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ __all__ = [
 
 
 def device_path(device: torch.device) -> ExecutionPath:
-    """The path tensors on ``device`` run on."""
+    """The path tensors on `device` run on."""
     return XLA if XLA.owns(device) else EAGER
 
 
 def path_of(tensors: Iterable[torch.Tensor]) -> ExecutionPath:
-    """The path of a block computing on ``tensors``: XLA if any of them is an XLA tensor."""
+    """The path of a block computing on `tensors`: XLA if any of them is an XLA tensor."""
     return XLA if any(XLA.owns(t.device) for t in tensors) else EAGER
 
 
 def barrier(tensors: Sequence[torch.Tensor], in_place: Sequence[bool]) -> list[torch.Tensor]:
-    """Detached tensors equal to ``tensors``, each path's members through that path's barrier
-    together (see :meth:`ExecutionPath.barrier`)."""
+    """Detached tensors equal to `tensors`, each path's members through that path's barrier
+    together (see `ExecutionPath.barrier()`)."""
     pairs = list(zip(tensors, in_place, strict=True))
     out = list(tensors)
     for path in PATHS:

@@ -2,9 +2,9 @@
 
 An execution path is where a block's tensors run: torch's own eager devices, or torch_xla's
 lazy tensors that become one compiled program per step. The core never asks which one it has;
-it asks the path of its tensors (``xla_wrap._paths.path_of``) these questions. A new path (a
+it asks the path of its tensors (`xla_wrap._paths.path_of`) these questions. A new path (a
 device whose compiler merges work, or that keeps saved values elsewhere) is a class with these
-members, registered in ``xla_wrap/_paths/__init__.py``; nothing in the core changes.
+members, registered in `xla_wrap/_paths/__init__.py`; nothing in the core changes.
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ class ExecutionPath(Protocol):
     stops_early: bool
 
     def owns(self, device: torch.device) -> bool:
-        """Whether tensors on ``device`` run on this path."""
+        """Whether tensors on `device` run on this path."""
         ...
 
     def barrier(
         self, tensors: Sequence[torch.Tensor], in_place: Sequence[bool]
     ) -> list[torch.Tensor]:
-        """Detached tensors equal to ``tensors`` (all on this path), tied by one barrier; those
-        marked ``in_place`` may share the caller's value, the others are copies."""
+        """Detached tensors equal to `tensors` (all on this path), tied by one barrier; those
+        marked `in_place` may share the caller's value, the others are copies."""
         ...
 
     def rewritable(self, tensor: torch.Tensor) -> bool:
-        """Whether :meth:`barrier` may share ``tensor``'s value with the caller's tensor."""
+        """Whether `barrier()` may share `tensor`'s value with the caller's tensor."""
         ...
 
     def warn_if_barriers_stripped(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -47,22 +47,22 @@ class ExecutionPath(Protocol):
         ...
 
     def capture_rng(self, tensors: Sequence[torch.Tensor]) -> object:
-        """The random-generator state a block computing on ``tensors`` starts from."""
+        """The random-generator state a block computing on `tensors` starts from."""
         ...
 
     def refuse_unreplayable(self, api: str, captured: object) -> None:
-        """Raise if the block's draws since ``captured`` cannot be replayed."""
+        """Raise if the block's draws since `captured` cannot be replayed."""
         ...
 
     def replay_rng(self, captured: object) -> AbstractContextManager[None]:
-        """Run the recomputation from ``captured``; restore the generators afterwards."""
+        """Run the recomputation from `captured`; restore the generators afterwards."""
         ...
 
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device | None]:
-        """``tensor`` kept in host memory, and the device to bring it back to (None: kept
+        """`tensor` kept in host memory, and the device to bring it back to (None: kept
         where it is, nothing to bring back)."""
         ...
 
     def to_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A value from :meth:`to_host`, back on ``device``."""
+        """A value from `to_host()`, back on `device`."""
         ...

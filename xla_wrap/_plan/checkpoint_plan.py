@@ -1,5 +1,5 @@
-"""``CheckpointPlan``: what :func:`xla_wrap.plan_checkpointing` chose per block, what it measured,
-and how to apply it."""
+"""`CheckpointPlan`: what [`xla_wrap.plan_checkpointing()`][xla_wrap.plan_checkpointing] chose
+per block, what it measured, and how to apply it."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ _MIB = 2**20
 
 
 def summarize(choices: Iterable[str]) -> str:
-    """``"2 full, 3 dots_saveable, 1 none"``: how many blocks take each choice, in the order
+    """`"2 full, 3 dots_saveable, 1 none"`: how many blocks take each choice, in the order
     the choices first appear."""
     counts: dict[str, int] = {}
     for choice in choices:
@@ -49,13 +49,14 @@ def options_for(api: str, choice: str) -> CheckpointOptions | None:
 class CheckpointPlan:
     """Which blocks to checkpoint, and how, to fit a memory budget at the least recomputation.
 
-    Made by :func:`xla_wrap.plan_checkpointing` for the model, shapes and backend it measured;
-    every figure comes from XLA (the ``*_bytes`` from its buffer assignment, the FLOPs from the
-    optimized HLO) except ``predicted_peak_bytes``, the cost model's.
+    Made by [`xla_wrap.plan_checkpointing()`][xla_wrap.plan_checkpointing] for the model,
+    shapes and backend it measured; every figure comes from XLA (the `*_bytes` from its
+    buffer assignment, the FLOPs from the optimized HLO) except `predicted_peak_bytes`, the
+    cost model's. `print(plan)` shows a table of the blocks and their choices.
 
     Attributes:
         choices: Every candidate block's qualified name, in call order, to its choice:
-            ``"none"`` (left as it is), ``"dots_saveable"``, ``"full"`` or ``"offload"``.
+            `"none"` (left as it is), `"dots_saveable"`, `"full"` or `"offload"`.
         budget_bytes: The budget the plan was made for.
         peak_bytes: The planned step's compiled peak.
         predicted_peak_bytes: The cost model's peak for the plan, calibrated on the compiled
@@ -95,8 +96,20 @@ class CheckpointPlan:
         return (self.unplanned_flops + self.recompute_flops) / self.unplanned_flops
 
     def options_of(self, module: nn.Module) -> CheckpointOptions | None:
-        """The checkpoint options the plan gives ``module`` (one of the modules it was made
-        on); None if the plan leaves it as it is or does not know it."""
+        """The checkpoint options the plan gives `module`.
+
+        `module` is one of the modules the plan was made on; the answer is `None` if the plan leaves
+        it as it is or does not know it.
+
+        Modules are recognised by identity, not by name: a copy of the planned model is not
+        known (use [`apply()`][xla_wrap.CheckpointPlan.apply] for that).
+
+        Args:
+            module: A block of the model the plan was made on.
+
+        Returns:
+            The options to checkpoint `module` with, or `None`.
+        """
         name = self._names.get(module)
         if name is None:
             return None
@@ -105,13 +118,20 @@ class CheckpointPlan:
     def apply(self, model: M) -> M:
         """Checkpoint, in place, exactly the blocks the plan chose, each with its choice.
 
-        Blocks are found by qualified name, so ``model`` may be the model planned or a copy of
+        Blocks are found by qualified name, so `model` may be the model planned or a copy of
         it; FSDP wrappers added since are looked through (the checkpoint goes inside each
-        unit). Returns ``model``.
+        unit).
+
+        Args:
+            model: The model the plan was made for, or a copy of it.
+
+        Returns:
+            `model` itself.
 
         Raises:
-            CheckpointTypeError: If ``model`` is not an ``nn.Module``.
-            CheckpointValueError: If a planned block is not in ``model``.
+            CheckpointTypeError: If `model` is not an `nn.Module`.
+            CheckpointValueError: If a planned block is not in `model`, or is already
+                checkpointed with other options.
         """
         return apply_choices("xla_wrap.CheckpointPlan.apply", model, self.choices)
 
@@ -144,7 +164,7 @@ class CheckpointPlan:
 
 
 def apply_choices(api: str, model: M, choices: Mapping[str, str]) -> M:
-    """Checkpoint, in place, each block of ``model`` named in ``choices`` with its choice."""
+    """Checkpoint, in place, each block of `model` named in `choices` with its choice."""
     check_module(api, model, "the nn.Module the plan was made for")
     modules = names_without_wrappers(model)
     chosen = {name: choice for name, choice in choices.items() if choice != NONE}

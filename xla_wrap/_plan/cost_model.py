@@ -3,14 +3,14 @@ recomputed FLOPs while the modelled peak stays under a limit.
 
 The peak model follows the order of a training step. The forward keeps, for every block, what
 its choice keeps (everything, the dot outputs, only its inputs, or nothing on the device when it
-offloads). Backward then visits the blocks in reverse; while it differentiates block ``i``,
-block ``i`` holds its whole working set again (recomputed or kept, the same tensors) and the
+offloads). Backward then visits the blocks in reverse; while it differentiates block `i`,
+block `i` holds its whole working set again (recomputed or kept, the same tensors) and the
 blocks before it still hold what they kept::
 
     peak = max(max_i (kept_0 + ... + kept_{i-1} + working_i), kept_0 + ... + kept_{n-1})
 
 So the last block's choice never changes the peak, and a block's saving counts for every later
-block. The planner (:mod:`.planner`) calibrates this model against compiled peaks; this module
+block. The planner (`planner`) calibrates this model against compiled peaks; this module
 knows nothing of XLA.
 
 The solver is a dynamic program over the blocks in call order whose states are the bytes kept so
@@ -56,7 +56,7 @@ class BlockCost:
 
 
 def modelled_peak(costs: Sequence[BlockCost], choices: Sequence[str]) -> int:
-    """The peak model above for ``choices`` (one per block, in call order), without the part
+    """The peak model above for `choices` (one per block, in call order), without the part
     of the step no choice changes."""
     kept = 0
     peak = 0
@@ -78,7 +78,7 @@ def objective(costs: Sequence[BlockCost], choices: Sequence[str]) -> Objective:
 
 
 def solve(costs: Sequence[BlockCost], limit: int) -> tuple[str, ...] | None:
-    """The choices of least :func:`objective` whose :func:`modelled_peak` is at most ``limit``
+    """The choices of least `objective()` whose `modelled_peak()` is at most `limit`
     (ties broken by peak among the states the pruning kept); None if no choices fit."""
     # state: kept bytes so far -> (objective, peak so far, choices)
     front: list[tuple[int, Objective, int, tuple[str, ...]]] = [(0, (0, 0, 0), 0, ())]
@@ -110,7 +110,7 @@ def solve(costs: Sequence[BlockCost], limit: int) -> tuple[str, ...] | None:
 
 
 def lowest_choices(costs: Sequence[BlockCost]) -> tuple[str, ...]:
-    """Choices of the least :func:`modelled_peak`: each block keeping its least."""
+    """Choices of the least `modelled_peak()`: each block keeping its least."""
     return tuple(min(c.choices, key=c.kept_bytes.__getitem__) for c in costs)
 
 

@@ -1,4 +1,4 @@
-"""``plan_checkpointing``: the cheapest checkpointing that fits a memory budget, from XLA's own
+"""`plan_checkpointing`: the cheapest checkpointing that fits a memory budget, from XLA's own
 numbers.
 
 1. **Measure each block** without compiling: one traced forward records every candidate's
@@ -6,7 +6,7 @@ numbers.
    stand-in inputs. What autograd saves gives the bytes the choice keeps; the dots and
    convolutions of the traced HLO give the FLOPs it recomputes. Alike blocks are traced once.
 2. **Compile two anchors**: the step without checkpointing and with every candidate fully
-   recomputed. They calibrate the cost model (:mod:`.cost_model`) to XLA's buffer
+   recomputed. They calibrate the cost model (`cost_model`) to XLA's buffer
    assignment: compiled peak = unplanned peak - scale x (the bytes the model says are saved).
 3. **Solve exactly** for the least recomputation under the budget, compile the plan, and
    correct the model by what it missed; a bounded number of times.
@@ -74,33 +74,33 @@ def plan_checkpointing(
     progress: bool = True,
     **example_kwargs: Any,
 ) -> CheckpointPlan:
-    """Choose, per block, how to checkpoint ``model`` so that its training step fits
-    ``budget`` at the least recomputation.
+    """Choose, per block, how to checkpoint `model` to fit `budget` at the least recomputation.
 
-    Each candidate block gets one of ``"none"`` (kept as it is), ``"dots_saveable"``,
-    ``"full"`` (recompute its whole forward) and, where the backend places buffers in host
-    memory, ``"offload"``. The plan minimises the FLOPs recomputed (dots and convolutions)
-    while the step's compiled peak stays within ``budget``. The model is left as it was
+    Each candidate block gets one of `"none"` (kept as it is), `"dots_saveable"`,
+    `"full"` (recompute its whole forward) and, where the backend places buffers in host
+    memory, `"offload"`. The plan minimises the FLOPs recomputed (dots and convolutions)
+    while the step's compiled peak stays within `budget`. The model is left as it was
     (gradients, buffers and the random state included); apply the plan with
-    :meth:`CheckpointPlan.apply`.
+    [`CheckpointPlan.apply()`][xla_wrap.CheckpointPlan.apply].
 
-    The step measured is ``loss(model(*example_args, **example_kwargs)).backward()`` on the
+    The step measured is `loss(model(*example_args, **example_kwargs)).backward()` on the
     XLA device, with XLA's buffer assignment read from its compile dumps: start the process
-    with :func:`xla_wrap.introspect.enable_compile_dumps` (before the first XLA device), and on
-    XLA:CPU keep the barriers (``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander``).
+    with [`xla_wrap.introspect.enable_compile_dumps()`][xla_wrap.introspect.enable_compile_dumps]
+    (before the first XLA device), and on XLA:CPU keep the barriers
+    (`XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`).
 
     Args:
         model: The model, on an XLA device, not checkpointed yet.
         *example_args: Its positional inputs, with the shapes the plan is for.
         budget: Bytes (an int), or a fraction in (0, 1] of the unplanned step's compiled peak.
-        candidates: An :mod:`xla_wrap.wrap_policies` policy selecting the blocks the plan may
-            checkpoint; by default the repeated blocks (modules of one class, two or more in a
-            ``ModuleList`` or ``Sequential``, with parameters).
+        candidates: An [`xla_wrap.wrap_policies`][xla_wrap.wrap_policies] policy selecting the
+            blocks the plan may checkpoint; by default the repeated blocks (modules of one
+            class, two or more in a `ModuleList` or `Sequential`, with parameters).
         loss: Turns the model's output into the scalar to differentiate; by default the sum of
             its floating-point tensors.
-        choices: The choices open to every block besides ``"none"``, among
-            ``"dots_saveable"``, ``"full"`` and ``"offload"``; by default all of them that the
-            backend supports. ``choices=("full",)`` plans whole-block recomputation only.
+        choices: The choices open to every block besides `"none"`, among
+            `"dots_saveable"`, `"full"` and `"offload"`; by default all of them that the
+            backend supports. `choices=("full",)` plans whole-block recomputation only.
         progress: Print what it compiles, and how long that took, to stderr.
         **example_kwargs: Its keyword inputs.
 
@@ -110,13 +110,13 @@ def plan_checkpointing(
     Raises:
         CheckpointTypeError: If an argument has the wrong type.
         BudgetUnreachableError: If the budget is below the smallest reachable peak (the
-            message names it, ``smallest_peak_bytes`` holds it).
+            message names it, `smallest_peak_bytes` holds it).
         CheckpointValueError: If no candidate is found, or a candidate is nested in another, already
             checkpointed, scanned or called more than once.
         CheckpointError: If the step cannot be measured here (no compile dumps, barriers
             stripped on XLA:CPU).
 
-    Example:
+    Examples:
         >>> plan = xla_wrap.plan_checkpointing(model, x, budget=0.5)  # doctest: +SKIP
         >>> print(plan)                                               # doctest: +SKIP
         >>> plan.apply(model)                                         # doctest: +SKIP
@@ -277,7 +277,7 @@ def _candidates(model: nn.Module, candidates: WrapPolicy | None) -> list[tuple[s
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules with parameters whose class occurs at least twice among the children of a
-    ``ModuleList`` or ``Sequential``, outermost first; nothing inside them is looked at."""
+    `ModuleList` or `Sequential`, outermost first; nothing inside them is looked at."""
     found: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -535,7 +535,7 @@ def _signature(call: _Call) -> object:
 
 @contextmanager
 def _applied(modules: Mapping[str, nn.Module], choices: Mapping[str, str]) -> Iterator[None]:
-    """Checkpoint ``modules`` by their ``choices`` for the duration, then undo it."""
+    """Checkpoint `modules` by their `choices` for the duration, then undo it."""
     wrapped = []
     try:
         for name, choice in choices.items():
@@ -557,8 +557,8 @@ def measure_choices(
     progress: bool = False,
 ) -> dict[str, _Measured]:
     """The compiled peak and FLOPs of the training step under each labelled choice per block
-    (of :func:`repeated_blocks`), the loss being the output's sum, as the planner measures
-    them; ``model`` is left as it was. For the bench's uniform plans."""
+    (of `repeated_blocks()`), the loss being the output's sum, as the planner measures
+    them; `model` is left as it was. For the bench's uniform plans."""
     blocks = dict(repeated_blocks(model))
     device = next(model.parameters()).device
     step = _Step(model, args, kwargs, _summed, blocks, device, _Progress(progress))
@@ -608,7 +608,7 @@ class _Step:
         self.compiles = 0
 
     def measure(self, choices: Mapping[str, str], what: str) -> _Measured:
-        """The compiled peak and FLOPs of the step under ``choices``: compiled now, or as
+        """The compiled peak and FLOPs of the step under `choices`: compiled now, or as
         compiled before for the same structure, inputs, loss and choices (planning the same
         model for another budget)."""
         known = process.measured_steps.setdefault(self.model, {})

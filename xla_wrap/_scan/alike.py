@@ -13,11 +13,11 @@ setting) is layer 0's. So the layers must be alike in two ways:
   the modules holding them read those attributes through recording descriptors while the
   layer runs (on XLA the forward and backward bodies the scan traces anyway; off XLA each
   layer's own call), and a read of one that differs is refused before its result is used.
-  An attribute that differs but is never read (transformers' ``layer_idx`` when no cache is
+  An attribute that differs but is never read (transformers' `layer_idx` when no cache is
   passed) is accepted.
 
-What the recording cannot see: reads that bypass attribute access (``self.__dict__[...]``,
-``vars(self)``), values reached outside the layer (a global variable, a closure over
+What the recording cannot see: reads that bypass attribute access (`self.__dict__[...]`,
+`vars(self)`), values reached outside the layer (a global variable, a closure over
 something that is not an attribute), and randomness drawn in Python. docs/scan.md lists
 these and what the check costs.
 """
@@ -64,7 +64,7 @@ _MAX_DEPTH = 64
 
 
 def _settings(module: nn.Module) -> dict[str, Any]:
-    """What a module holds besides its structure: its ``__dict__`` and slots."""
+    """What a module holds besides its structure: its `__dict__` and slots."""
     skip = _NOT_SETTINGS.union(*(n for t, n in _DERIVED if isinstance(module, t)))
     settings = {k: v for k, v in vars(module).items() if k not in skip}
     for name in _slots(type(module)):
@@ -84,7 +84,7 @@ def _slots(cls: type) -> list[str]:
 def check_structure(
     api: str, first: nn.Module, index: int, layer: nn.Module, *, parameters: bool
 ) -> None:
-    """Refuse a layer built unlike layer 0 (with ``parameters``, also in its parameters: in
+    """Refuse a layer built unlike layer 0 (with `parameters`, also in its parameters: in
     stacked storage layer 0 holds all of them)."""
 
     base = _wrapper.unwrapped_class
@@ -128,7 +128,7 @@ def check_structure(
 
 
 def _alike_classes(a: type, b: type, compare: _Comparison) -> bool:
-    """One class, or two made alike (``torch.nn.utils.parametrize`` makes a class per
+    """One class, or two made alike (`torch.nn.utils.parametrize` makes a class per
     module, whose properties refer to that module): the same name, bases and class
     attributes."""
     if a is b:
@@ -151,7 +151,7 @@ def _first_difference(ours: tuple[object, ...], theirs: tuple[object, ...]) -> s
 
 @dataclass(frozen=True)
 class Difference:
-    """An attribute of the submodule at ``path`` whose value in layer ``index`` differs
+    """An attribute of the submodule at `path` whose value in layer `index` differs
     from layer 0's (the first such layer)."""
 
     path: str
@@ -176,7 +176,7 @@ _MISSING = _Missing()
 @dataclass(frozen=True)
 class AttributeDifferences:
     """The attributes in which a stack's layers differ, by submodule path and name; a
-    forward may run only if it reads none of them (:meth:`watching`)."""
+    forward may run only if it reads none of them (`watching()`)."""
 
     differences: Mapping[tuple[str, str], Difference]
     layers: tuple[nn.Module, ...]  # to name the modules a difference holds
@@ -232,7 +232,7 @@ class AttributeDifferences:
 
     @contextmanager
     def watching(self, api: str, layer: nn.Module) -> Iterator[None]:
-        """Run ``layer``'s forward (the template's, or a layer's own in the eager loop)
+        """Run `layer`'s forward (the template's, or a layer's own in the eager loop)
         recording which differing attributes it reads; refuse any on the way out."""
         if not self.differences:
             yield
@@ -266,7 +266,7 @@ class AttributeDifferences:
 
 @functools.cache
 def _recording_class(cls: type, names: frozenset[str]) -> type:
-    """``cls`` with each of ``names`` behind a descriptor that records its reads (and its
+    """`cls` with each of `names` behind a descriptor that records its reads (and its
     writes: a forward that sets one reads state that differs between layers)."""
     namespace: dict[str, Any] = {
         name: _Recorded(cls, name, _data_descriptor(cls, name)) for name in names - _ALWAYS_READ
@@ -276,7 +276,7 @@ def _recording_class(cls: type, names: frozenset[str]) -> type:
 
 
 def _data_descriptor(cls: type, name: str) -> Any:
-    """The descriptor ``cls`` answers ``name`` with ahead of the instance's ``__dict__`` (a
+    """The descriptor `cls` answers `name` with ahead of the instance's `__dict__` (a
     property that keeps its value there), or None."""
     for klass in cls.__mro__:
         if name in klass.__dict__:
@@ -287,8 +287,8 @@ def _data_descriptor(cls: type, name: str) -> Any:
 
 
 class _Recorded:
-    """A data descriptor (so it comes before the instance's ``__dict__``) that answers as
-    lookup without it would (through ``inner``, the class's own data descriptor, if any), and
+    """A data descriptor (so it comes before the instance's `__dict__`) that answers as
+    lookup without it would (through `inner`, the class's own data descriptor, if any), and
     notes each access through an instance in its recorder."""
 
     def __init__(self, cls: type, name: str, inner: Any) -> None:
@@ -339,7 +339,7 @@ _PLAIN = (bool, int, str, bytes, type(None), enum.Enum, torch.dtype, torch.devic
 class _Comparison:
     """Whether a value of layer 0 and one of another layer are the same, as far as a forward
     reading them could tell. Modules of layer 0 match the other layer's module at the same
-    path (``pairs``); whatever cannot be shown equal counts as different."""
+    path (`pairs`); whatever cannot be shown equal counts as different."""
 
     def __init__(self, pairs: Mapping[int, nn.Module]) -> None:
         self.pairs = pairs
@@ -412,7 +412,7 @@ class _Comparison:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """``a == b`` for values with their own equality (arrays answer elementwise)."""
+    """`a == b` for values with their own equality (arrays answer elementwise)."""
     if getattr(a, "shape", None) != getattr(b, "shape", None):
         return False
     if getattr(a, "dtype", None) != getattr(b, "dtype", None):
@@ -425,7 +425,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _same_number(a: float | complex, b: float | complex) -> bool:
-    """Equal, NaN alike, and of the same sign for zeros (``-0.0`` is another value)."""
+    """Equal, NaN alike, and of the same sign for zeros (`-0.0` is another value)."""
     parts_a = (a.real, a.imag) if isinstance(a, complex) else (a,)
     parts_b = (b.real, b.imag) if isinstance(b, complex) else (b,)
     return all(

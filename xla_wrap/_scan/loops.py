@@ -1,19 +1,19 @@
-"""Checkpointed layer stacks compiled as one layer body: :func:`scan_layers`.
+"""Checkpointed layer stacks compiled as one layer body: [`scan_layers()`][xla_wrap.scan_layers].
 
 A Python loop over checkpointed layers traces and compiles every layer twice (forward and
-recomputation), so compile time grows with depth. torch_xla's ``scan`` lowers a function into
+recomputation), so compile time grows with depth. torch_xla's `scan` lowers a function into
 an XLA While loop, compiled once whatever the trip count. Its autograd layer traces the body
 with AOTAutograd, which leaves no room for save policies, offload, keyword arguments or
 Dropout (on torch_xla 2.9 a mask residual crashes the lowering), and re-traces every step.
 
-Here torch_xla's While lowering (``_scan_impl_pytree``, through the gateway's ``while_loop``) runs
+Here torch_xla's While lowering (`_scan_impl_pytree`, through the gateway's `while_loop`) runs
 twice under one autograd Function, with bodies written by hand:
 
 * forward: each layer runs on its slice of the stacked parameters and buffers; the scan stacks
   each layer's input carry and the values the save policy keeps;
 * backward, in reverse: each layer is recomputed from its saved carry (kept values substituted
   in, gradients still flowing through the recomputed operations) and differentiated with
-  ``torch.autograd.grad``; the scan stacks the parameter gradients.
+  `torch.autograd.grad`; the scan stacks the parameter gradients.
 
 The two loops are different While instructions, so XLA cannot merge the recomputation back
 into the forward: no optimization barrier is needed. Arguments other than the carry (masks,
@@ -66,8 +66,10 @@ def scan_layers(
     offload_to_cpu: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """Run a stack of identically built layers as ``for layer in layers: x = layer(x, ...)``,
-    checkpointed, compiling one layer body on XLA instead of one per layer.
+    """Run a stack of identically built layers as one checkpointed loop.
+
+    The loop is `for layer in layers: x = layer(x, ...)`, compiling one layer body on XLA instead
+    of one per layer.
 
     The first positional argument is the *carry*: each layer receives it and must return a
     value of the same structure (a tensor, or a tuple or dict of tensors, of the same shapes
@@ -75,34 +77,36 @@ def scan_layers(
     unchanged. On XLA the stack runs as two XLA While loops, forward and backward, each
     compiled once: compile time stays flat in depth (docs/scan.md has the measurements).
     Elsewhere (eager CPU or CUDA) it is that loop, each layer checkpointed as by
-    :func:`xla_wrap.checkpoint`.
+    [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
 
     Args:
         layers: The layers, all of one class and with parameters and buffers of the same
-            names, shapes and dtypes (an ``nn.ModuleList`` of blocks built alike).
+            names, shapes and dtypes (an `nn.ModuleList` of blocks built alike).
         *args: The carry, then positional arguments every layer receives.
         policy: What each layer keeps for backward besides its input carry
-            (:mod:`xla_wrap.checkpoint_policies`, by function or name). ``None`` or
-            ``"nothing_saveable"`` keeps only the carries; ``"dots_saveable"`` also keeps
-            matrix products; ``save_only_these_names(...)`` keeps values tagged with
-            :func:`xla_wrap.checkpoint_name`.
+            ([`xla_wrap.checkpoint_policies`][xla_wrap.checkpoint_policies], by function or
+            name). `None` or `"nothing_saveable"` keeps only the carries; `"dots_saveable"`
+            also keeps matrix products; `save_only_these_names(...)` keeps values tagged with
+            [`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name].
         offload_to_cpu: Keep the saved carries in host memory until backward (on backends
             that can place buffers there; on XLA:CPU a warning says they stay on the device).
         **kwargs: Keyword arguments every layer receives.
 
     Returns:
-        The last layer's output; the carry itself if ``layers`` is empty (as the loop).
+        The last layer's output; the carry itself if `layers` is empty (as the loop).
 
     Raises:
-        CheckpointTypeError: If ``layers`` is not a sequence of modules, or a layer
-            returns something other than its carry's structure.
+        CheckpointTypeError: If `layers` is not a sequence of modules, no carry is given or
+            it holds no tensor, a layer returns something other than its carry's structure,
+            or `policy` is neither a policy name nor callable.
         CheckpointValueError: If the layers differ in structure, carry hooks, or are XLA FSDP
-            units (v1), which cannot run inside a loop body.
+            units (v1), which cannot run inside a loop body, or the save `policy` is
+            unknown.
         CheckpointError: If a layer's forward reads an attribute in which the layers differ
             (layer 0's would be used for all), modifies a buffer or an argument in place, or
             runs differently when recomputed.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
         >>> y = xla_wrap.scan_layers(layers, torch.randn(2, 8), policy="dots_saveable")
@@ -120,7 +124,7 @@ def run_scan(
     policy: cp.SavePolicy | str | None,
     offload_to_cpu: bool,
 ) -> Any:
-    """:func:`scan_layers`, with ``api`` naming the caller in errors."""
+    """[`scan_layers()`][xla_wrap.scan_layers], with `api` naming the caller in errors."""
     options = make_options(api, policy=policy, offload_to_cpu=offload_to_cpu)
     if not args:
         raise CheckpointTypeError(
@@ -163,7 +167,7 @@ class _LayerStack:
 
     @classmethod
     def of(cls, layers: Sequence[nn.Module], api: str = _API) -> _LayerStack:
-        """The layers, checked; ``api`` names the caller in errors."""
+        """The layers, checked; `api` names the caller in errors."""
         if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
             raise CheckpointTypeError(
                 f"{api}: expected a sequence of layers (an nn.ModuleList), got one module "
@@ -256,13 +260,13 @@ class _LayerStack:
         ]
 
     def layer_slices(self) -> list[list[torch.Tensor]]:
-        """Per layer, its slices of the parameters in stacked storage: one ``unbind`` per
+        """Per layer, its slices of the parameters in stacked storage: one `unbind` per
         parameter, so that backward sums the layers' gradients into the stack once."""
         params = [self.template.get_parameter(name).unbind(0) for name in self.param_names]
         return [[p[index] for p in params] for index in range(len(self.layers))]
 
     def buffers_of(self, index: int) -> list[torch.Tensor]:
-        """Layer ``index``'s stacked buffers, in the order of :meth:`loop_inputs` (through
+        """Layer `index`'s stacked buffers, in the order of `loop_inputs()` (through
         the slots: a recomputation holds its copies there)."""
         return [_held(self.layers[index], name, "_buffers") for name in self.buffer_names]
 
@@ -275,8 +279,8 @@ class _LayerStack:
         *,
         index: int = 0,
     ) -> Any:
-        """Run layer ``index``'s module (the template, 0, for every layer on XLA) with one
-        layer's parameters and buffers (``tensors``, in the order of :meth:`loop_inputs`)."""
+        """Run layer `index`'s module (the template, 0, for every layer on XLA) with one
+        layer's parameters and buffers (`tensors`, in the order of `loop_inputs()`)."""
         names = self.param_names + self.buffer_names
         mapping = dict(zip(names, tensors, strict=True))
         mapping.update(self.shared_buffers)
@@ -285,12 +289,12 @@ class _LayerStack:
             return _own_forward(module)(carry, *args, **kwargs)
 
     def watching(self, index: int = 0) -> Any:
-        """Where layer ``index`` runs (the template on XLA: its forward, and the backward
+        """Where layer `index` runs (the template on XLA: its forward, and the backward
         through it): refuse reads of attributes in which the layers differ (alike.py)."""
         return self.differences.watching(self.api, self.layers[index])
 
     def own_forward(self, index: int) -> Any:
-        """Layer ``index``'s own forward, for the eager loop: refused, as the template would
+        """Layer `index`'s own forward, for the eager loop: refused, as the template would
         be, where it reads an attribute in which the layers differ."""
         forward = _own_forward(self.layers[index])
         if not self.differences:
@@ -304,7 +308,7 @@ class _LayerStack:
 
 
 def _held(module: nn.Module, name: str, kind: str) -> torch.Tensor:
-    """The tensor in the ``_parameters`` or ``_buffers`` slot that ``name`` names."""
+    """The tensor in the `_parameters` or `_buffers` slot that `name` names."""
     path, _, leaf = name.rpartition(".")
     tensor: torch.Tensor = getattr(module.get_submodule(path), kind)[leaf]
     return tensor
@@ -391,8 +395,8 @@ def compiled_loop(
     kwargs: dict[str, Any],
     options: CheckpointOptions,
 ) -> Any:
-    """Inside ``torch.compile``: the loop, each layer checkpointed as the compiler's
-    checkpoint (:func:`compiled_layer`)."""
+    """Inside `torch.compile`: the loop, each layer checkpointed as the compiler's
+    checkpoint (`compiled_layer()`)."""
     carry = args[0]
     for index in range(len(layers)):
         carry = compiled_layer(api, layers, index, options, carry, *args[1:], **kwargs)
@@ -407,7 +411,7 @@ def compiled_layer(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """Layer ``index`` inside ``torch.compile``: its own module, no template, so nothing to
+    """Layer `index` inside `torch.compile`: its own module, no template, so nothing to
     check the layers alike for."""
     if _stacked.slot(layers[0]) is not None:
         raise CheckpointValueError(
@@ -479,7 +483,7 @@ class _Scan:
 
 
 def _check_carry(spec: Flat, carry: Sequence[torch.Tensor], out: Flat) -> None:
-    """Refuse a layer's output that is not its carry's structure (``spec``, ``carry``)."""
+    """Refuse a layer's output that is not its carry's structure (`spec`, `carry`)."""
     expected = [TensorMeta.of(t) for t in carry]
     got = [TensorMeta.of(t) for t in out.tensors]
     if out.spec != spec.spec or got != expected:
@@ -548,7 +552,7 @@ def _forward_loop(
     *,
     save: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """The forward While loop: the last carry, and (with ``save``) per layer its input carry
+    """The forward While loop: the last carry, and (with `save`) per layer its input carry
     and the values the policy kept, stacked."""
     # The carry is differentiated in any case: every layer's parameters reach the loss through
     # the carries after it.
@@ -634,7 +638,7 @@ def _check_unchanged(stack: _LayerStack, before: Sequence[str], after: Sequence[
 
 
 class _ScanFunction(torch.autograd.Function):
-    """``apply(scan, *carry, *constants, *stacked)`` -> the last carry's tensors."""
+    """`apply(scan, *carry, *constants, *stacked)` -> the last carry's tensors."""
 
     @staticmethod
     def forward(ctx: Any, scan: _Scan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -670,7 +674,7 @@ class _ScanFunction(torch.autograd.Function):
 
 
 def _split(seq: Sequence[Any], *lengths: int) -> list[list[Any]]:
-    """``seq`` cut into pieces of ``lengths``, and the rest."""
+    """`seq` cut into pieces of `lengths`, and the rest."""
     pieces, start = [], 0
     for length in lengths:
         pieces.append(list(seq[start : start + length]))

@@ -1,9 +1,10 @@
-"""A way in for models that loop over a ``ModuleList``: :class:`ScannedLayers` and
-:func:`apply_scan`.
+"""A way in for models that loop over a `ModuleList`: [`ScannedLayers`][xla_wrap.ScannedLayers]
+and [`apply_scan()`][xla_wrap.apply_scan].
 
-A model's forward usually runs its blocks as ``for layer in self.layers: x = layer(x, ...)``.
-A scanned list keeps its layers, names and ``state_dict`` as they are, but iterating over it
-yields stand-ins: the first one, called, runs the whole stack through :func:`scan_layers`;
+A model's forward usually runs its blocks as `for layer in self.layers: x = layer(x, ...)`.
+A scanned list keeps its layers, names and `state_dict` as they are, but iterating over it
+yields stand-ins: the first one, called, runs the whole stack through
+[`scan_layers()`][xla_wrap.scan_layers];
 each later one checks that it receives the previous result and the same other arguments, and
 hands the result on. A loop body that does anything else between layers gets an error at the
 second layer instead of a wrong result; a loop that stops early cannot be told apart, so only
@@ -30,20 +31,28 @@ _OPTIONS = "_xla_wrap_scan_options"
 
 
 class ScannedLayers(nn.ModuleList):
-    """An ``nn.ModuleList`` whose iteration runs its layers as one scanned, checkpointed stack
-    (:func:`xla_wrap.scan_layers`). Indexing and ``len`` see the layers themselves.
+    """An `nn.ModuleList` whose loop runs its layers as one scanned, checkpointed stack.
+
+    The stack runs through [`xla_wrap.scan_layers()`][xla_wrap.scan_layers]. Indexing and `len`
+    see the layers themselves; a slice (`layers[:n]`) is scanned too.
+
+    Only a loop `for layer in layers: x = layer(x, ...)` that calls every layer in order,
+    each with the previous result and the same other arguments, qualifies; any other use of
+    the layers it yields raises `CheckpointError` at the second layer.
 
     Args:
-        modules: The layers, all built alike.
-        policy: The save policy each layer checkpoints with (as in :func:`scan_layers`).
-        offload_to_cpu: Keep the saved carries in host memory (as in :func:`scan_layers`).
+        modules: The layers, all built alike; `None` (the default) for an empty list.
+        policy: The save policy each layer checkpoints with (as in
+            [`scan_layers()`][xla_wrap.scan_layers]).
+        offload_to_cpu: Keep the saved carries in host memory (as in
+            [`scan_layers()`][xla_wrap.scan_layers]).
         stack_parameters: Store the layers' parameters stacked, one parameter per name with
             the layers on its first dimension, held where layer 0 holds its own: the scan
             then neither copies the weights nor compiles anything per layer (compile time
-            flat in depth). ``state_dict`` still has one entry per layer; build optimizers
+            flat in depth). `state_dict` still has one entry per layer; build optimizers
             after this. See docs/scan.md.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> layers = xla_wrap.ScannedLayers(torch.nn.Linear(8, 8) for _ in range(4))
         >>> x = torch.randn(2, 8)
@@ -69,12 +78,13 @@ class ScannedLayers(nn.ModuleList):
 
     @property
     def parameters_stacked(self) -> bool:
-        """Whether the layers' parameters are stored stacked (``stack_parameters=True``)."""
+        """Whether the layers' parameters are stored stacked (`stack_parameters=True`)."""
         return _stacked.is_stacked(self)
 
     @property
     def scan_options(self) -> dict[str, Any]:
-        """``policy`` and ``offload_to_cpu``, as :func:`scan_layers` takes them."""
+        """`policy` and `offload_to_cpu`, as [`scan_layers()`][xla_wrap.scan_layers] takes
+        them (a new dict on each read)."""
         options: dict[str, Any] = self.__dict__[_OPTIONS]
         return dict(options)
 
@@ -97,7 +107,7 @@ class ScannedLayers(nn.ModuleList):
     def _run_stack(
         self, layers: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """Run all ``layers`` on what layer 0 was called with."""
+        """Run all `layers` on what layer 0 was called with."""
         return run_scan("xla_wrap.ScannedLayers", layers, args, kwargs, **self.scan_options)
 
     def __repr__(self) -> str:
@@ -114,15 +124,15 @@ class ScannedLayers(nn.ModuleList):
 
 
 def _compiled_layers(scanned: ScannedLayers, layers: list[nn.Module]) -> list[Any]:
-    """What a loop over a scanned list calls inside ``torch.compile``: each layer, run alone
+    """What a loop over a scanned list calls inside `torch.compile`: each layer, run alone
     as the compiler's checkpoint."""
     options = make_options("xla_wrap.ScannedLayers", **scanned.scan_options)
     return [_CompiledStage(layers, index, options) for index in range(len(layers))]
 
 
 class _CompiledStage:
-    """Layer ``index`` of a scanned list inside ``torch.compile``: called, the layer as the
-    compiler's checkpoint; otherwise the layer (``layer.attention_type`` and the like)."""
+    """Layer `index` of a scanned list inside `torch.compile`: called, the layer as the
+    compiler's checkpoint; otherwise the layer (`layer.attention_type` and the like)."""
 
     def __init__(self, layers: list[nn.Module], index: int, options: Any) -> None:
         # Private names: any other attribute is the layer's.
@@ -148,7 +158,7 @@ class _StackRun:
 
 
 class _Stage:
-    """What the loop body calls in place of layer ``index``."""
+    """What the loop body calls in place of layer `index`."""
 
     def __init__(self, run: _StackRun, index: int, layer: nn.Module) -> None:
         self.__dict__["run"] = run
@@ -241,30 +251,40 @@ def apply_scan(
     offload_to_cpu: bool = False,
     stack_parameters: bool = False,
 ) -> M:
-    """Turn, in place, each ``nn.ModuleList`` of ``model`` whose layers are built alike (and,
-    with ``check_fn``, all selected by it) into a :class:`ScannedLayers`.
+    """Turn, in place, each `nn.ModuleList` of `model` of alike layers into a scanned list.
 
-    The lists keep their identity, names and ``state_dict``; the model's loop over each then
-    runs as one scanned, checkpointed stack. Only a forward that loops ``x = layer(x, ...)``
+    Each list whose layers are built alike (and, with `check_fn`, all selected by it) becomes a
+    [`ScannedLayers`][xla_wrap.ScannedLayers]. A list inside a list already chosen is scanned
+    with it, not on its own; lists of a subclass of `nn.ModuleList`, and empty ones, are left
+    alone.
+
+    The lists keep their identity, names and `state_dict`; the model's loop over each then
+    runs as one scanned, checkpointed stack. Only a forward that loops `x = layer(x, ...)`
     over the whole list qualifies (docs/scan.md).
 
     Args:
         model: The model to modify.
-        check_fn: Which layers may be scanned (``check_fn(layer) -> bool``); default: all.
-        policy: The save policy of the scanned layers (as in :func:`scan_layers`).
-        offload_to_cpu: Keep the saved carries in host memory (as in :func:`scan_layers`).
+        check_fn: Which layers may be scanned (`check_fn(layer) -> bool`): a list qualifies
+            only if it accepts every layer of it. `None` (the default) accepts all.
+        policy: The save policy of the scanned layers (as in
+            [`scan_layers()`][xla_wrap.scan_layers]).
+        offload_to_cpu: Keep the saved carries in host memory (as in
+            [`scan_layers()`][xla_wrap.scan_layers]).
         stack_parameters: Store each list's parameters stacked (as in
-            :class:`ScannedLayers`): the model's parameters change, so build the optimizer
-            after this.
+            [`ScannedLayers`][xla_wrap.ScannedLayers]): the model's parameters change, so
+            build the optimizer after this.
 
     Returns:
-        ``model`` itself.
+        `model` itself.
 
     Raises:
-        CheckpointTypeError: If ``model`` is not an ``nn.Module``.
-        CheckpointValueError: If nothing qualifies.
+        CheckpointTypeError: If `model` is not an `nn.Module`, or `policy` is neither a
+            policy name nor callable.
+        CheckpointValueError: If nothing qualifies (the message says why for each list),
+            the save `policy` is unknown, or, with `stack_parameters`, a list's parameters
+            cannot be stacked.
 
-    Example:
+    Examples:
         >>> import torch, xla_wrap
         >>> model = torch.nn.Module()
         >>> model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
@@ -311,11 +331,19 @@ def apply_scan(
 
 
 def unscan(layers: ScannedLayers) -> nn.ModuleList:
-    """Undo :func:`apply_scan` (or a :class:`ScannedLayers`) on one list, in place: a plain
-    ``nn.ModuleList`` again, whose loop runs layer by layer. Stacked parameters become
-    per-layer ones again (new tensors: build the optimizer again).
+    """Undo [`apply_scan()`][xla_wrap.apply_scan] on one list, in place.
 
-    Example:
+    The list (also one made as a [`ScannedLayers`][xla_wrap.ScannedLayers]) is a plain
+    `nn.ModuleList` again, whose loop runs layer by layer. Stacked parameters become per-layer
+    ones again (new tensors: build the optimizer again).
+
+    Args:
+        layers: The scanned list to undo.
+
+    Returns:
+        `layers` itself, now of class `nn.ModuleList`.
+
+    Examples:
         >>> import torch, xla_wrap
         >>> layers = xla_wrap.ScannedLayers(
         ...     (torch.nn.Linear(8, 8) for _ in range(3)), stack_parameters=True

@@ -1,5 +1,5 @@
 """Stacked parameter storage for a scanned layer list: one parameter per name, the layers
-on its first dimension (``xla_wrap.ScannedLayers(..., stack_parameters=True)``).
+on its first dimension (`xla_wrap.ScannedLayers(..., stack_parameters=True)`).
 
 A scan over per-layer parameters stacks them into the loop at every step and hands each
 layer its gradient as a slice out of the loop's stacked gradient: a copy of the weights in
@@ -9,8 +9,8 @@ gradients come out as they are: nothing per layer is left in the compiled progra
 
 The stacked parameters live where layer 0 keeps its own, under its names (so optimizers,
 weight-decay rules by module type and FSDPv2 see ordinary modules); the other layers keep
-their structure, settings and buffers but no parameters. ``state_dict`` and
-``load_state_dict`` still speak per layer (``layers.3.mlp.weight``), so checkpoints move
+their structure, settings and buffers but no parameters. `state_dict` and
+`load_state_dict` still speak per layer (`layers.3.mlp.weight`), so checkpoints move
 between stacked, per-layer and unscanned models unchanged.
 """
 
@@ -50,7 +50,7 @@ def is_stacked(layers: nn.Module) -> bool:
 
 def check_stackable(api: str, layers: Sequence[nn.Module], param_names: Sequence[str]) -> None:
     """Refuse layers whose parameters stacking would untie or unshard. The layers were
-    checked to be alike (same names, shapes, dtypes and ``requires_grad``, each parameter
+    checked to be alike (same names, shapes, dtypes and `requires_grad`, each parameter
     under one name)."""
     owners: dict[int, int] = {}
     for i, layer in enumerate(layers):
@@ -106,7 +106,7 @@ def check_unchanged(api: str, layers: nn.Module) -> None:
 
 
 def unstack(layers: nn.ModuleList) -> None:
-    """Undo :func:`stack` in place: each layer its own parameters again (new tensors, so an
+    """Undo `stack()` in place: each layer its own parameters again (new tensors, so an
     optimizer built before must be built again)."""
     check_unchanged("xla_wrap.unscan", layers)
     items = list(layers._modules.values())
@@ -138,8 +138,8 @@ def _stacked_names(layers: nn.Module) -> list[str]:
 def _per_layer_state(
     layers: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    """state_dict post-hook: each stacked ``0.<name>`` entry becomes one ``<i>.<name>`` per
-    layer, in the order an unscanned list has them. With ``keep_vars`` (the entry is the
+    """state_dict post-hook: each stacked `0.<name>` entry becomes one `<i>.<name>` per
+    layer, in the order an unscanned list has them. With `keep_vars` (the entry is the
     parameter itself) they are views of it; otherwise copies, since savers such as
     safetensors refuse tensors that share memory."""
     check_unchanged(f"{type(layers).__name__}.state_dict", layers)
@@ -201,7 +201,7 @@ def _stack_loaded_state(
 
 
 def per_layer_gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient under its ``state_dict`` name: one entry per layer (a slice
+    """Every parameter's gradient under its `state_dict` name: one entry per layer (a slice
     of the stacked gradient) for a list with stacked parameters, as an unscanned model has."""
     stacked_keys: dict[str, tuple[nn.Parameter, int]] = {}
     for prefix, module in model.named_modules():

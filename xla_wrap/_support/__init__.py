@@ -1,2 +1,2 @@
-"""The ground floor: errors, argument trees, warnings, ``XLA_FLAGS`` and the package's mutable
+"""The ground floor: errors, argument trees, warnings, `XLA_FLAGS` and the package's mutable
 state. Imports nothing of xla_wrap outside it."""

@@ -13,7 +13,7 @@ from .errors import CheckpointTypeError, describe
 
 
 def is_int(value: object) -> TypeGuard[int]:
-    """An int, and not a bool: ``True`` is an int to Python and never a count here."""
+    """An int, and not a bool: `True` is an int to Python and never a count here."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -23,8 +23,8 @@ def is_number(value: object) -> TypeGuard[int | float]:
 
 
 def check_module(api: str, value: object, expected: str, advice: str = "") -> nn.Module:
-    """``value`` if it is an ``nn.Module``; otherwise a CheckpointTypeError that says what
-    ``api`` ``expected`` (e.g. "an nn.Module as `model`"), what came, and the ``advice``."""
+    """`value` if it is an `nn.Module`; otherwise a CheckpointTypeError that says what
+    `api` `expected` (e.g. "an nn.Module as `model`"), what came, and the `advice`."""
     if not isinstance(value, nn.Module):
         message = f"{api}: expected {expected}, got {describe(value)}."
         raise CheckpointTypeError(f"{message} {advice}" if advice else message)

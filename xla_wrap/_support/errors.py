@@ -2,7 +2,7 @@
 
 Every message starts with the API that refused, says what it expected and what it got, and
 how to fix it. Each class also derives from the built-in exception that fits, so callers that
-catch ``TypeError`` or ``RuntimeError`` keep working.
+catch `TypeError` or `RuntimeError` keep working.
 """
 
 from __future__ import annotations
@@ -21,13 +21,26 @@ class CheckpointValueError(XlaWrapError, ValueError):
 
 
 class CheckpointError(XlaWrapError, RuntimeError):
-    """Checkpointing cannot proceed without giving a wrong result (for example, the
-    recomputation in backward did not reproduce the forward)."""
+    """Checkpointing cannot proceed without giving a wrong result.
+
+    For example, the recomputation in backward did not reproduce the forward."""
 
 
 class BudgetUnreachableError(CheckpointValueError):
-    """No checkpointing plan fits the memory budget; ``smallest_peak_bytes`` is the least
-    compiled peak that the planner reached, the budget to ask for instead."""
+    """No checkpointing plan fits the memory budget.
+
+    Raised by [`xla_wrap.plan_checkpointing()`][xla_wrap.plan_checkpointing];
+    `smallest_peak_bytes` is the least compiled peak that the planner reached, the budget to
+    ask for instead.
+
+    Args:
+        message: The error message.
+        smallest_peak_bytes: The least compiled peak the planner reached, in bytes.
+
+    Attributes:
+        smallest_peak_bytes: The least compiled peak the planner reached, in bytes: the
+            smallest budget a plan can meet.
+    """
 
     def __init__(self, message: str, smallest_peak_bytes: int) -> None:
         super().__init__(message)
@@ -35,8 +48,13 @@ class BudgetUnreachableError(CheckpointValueError):
 
 
 class BarriersStrippedWarning(UserWarning):
-    """Checkpointing runs on XLA:CPU while XLA deletes optimization barriers: it will recompute
-    but save no memory there."""
+    """Checkpointing runs on XLA:CPU, whose compiler deletes optimization barriers.
+
+    The step recomputes but saves no memory there: XLA:CPU removes the barriers
+    (`cse_barrier_expander`) before common-subexpression elimination, which then merges the
+    recomputation back into the forward. Accelerators keep the barriers. Given once per process;
+    to see the saving on a CPU, start Python with
+    `XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`."""
 
 
 def describe(value: object) -> str:

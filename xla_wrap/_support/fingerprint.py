@@ -29,7 +29,7 @@ def tensor_entries(
 
 
 def parameter_entries(module: nn.Module, *, recurse: bool = True) -> tuple[tuple[object, ...], ...]:
-    """Each parameter's name, shape, dtype and ``requires_grad``."""
+    """Each parameter's name, shape, dtype and `requires_grad`."""
     return tensor_entries(module.named_parameters(recurse=recurse), requires_grad=True)
 
 
@@ -42,7 +42,7 @@ def plain_settings(
     module: nn.Module, ignore: frozenset[str] = frozenset()
 ) -> tuple[tuple[str, object], ...]:
     """A module's public plain settings (numbers, strings, flags), which may change what it
-    computes and costs; ``training`` and the names in ``ignore`` left out."""
+    computes and costs; `training` and the names in `ignore` left out."""
     return tuple(
         (k, v)
         for k, v in sorted(vars(module).items())
@@ -51,7 +51,7 @@ def plain_settings(
 
 
 def value_meta(tree: Any) -> Any:
-    """``tree`` with each tensor replaced by its shape, dtype and ``requires_grad``."""
+    """`tree` with each tensor replaced by its shape, dtype and `requires_grad`."""
 
     def meta(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

@@ -1,23 +1,23 @@
 """The package's mutable state, declared in one place.
 
-Per thread (:data:`local`): what the calling thread is doing right now. Every field is changed
-only by a context manager that puts the previous value back in ``finally`` (the RNG step tables
+Per thread (`local`): what the calling thread is doing right now. Every field is changed
+only by a context manager that puts the previous value back in `finally` (the RNG step tables
 are the exception: a step closure updates them at the step marker they belong to), so an
 exception cannot leave a flag stuck and two threads never see each other's checkpoints.
 
-Per process (:data:`process`): registries that only grow, each written in one place: the
+Per process (`process`): registries that only grow, each written in one place: the
 installed checkpoint hooks (xla_wrap/_core/hooks.py), the checkpointed class made for each
 module class (xla_wrap/_core/wrapper.py), the planner's measured steps and fresh-tensor lengths
 (xla_wrap/_plan/planner.py), and the warnings already given (xla_wrap/_support/warn.py).
 
-Kept elsewhere, by design: per-process probes cached with ``functools.cache`` whose answer
+Kept elsewhere, by design: per-process probes cached with `functools.cache` whose answer
 cannot change (XLA flags and ops: xla_wrap/_paths/xla/), the recording classes made for
-:mod:`xla_wrap._scan.alike`, the values xla_wrap keeps on the objects it wraps (under
-``_xla_wrap_*`` or ``_checkpoint_*`` names, declared where they are written), and the effects
-on other libraries that the user asks for: ``XLA_FLAGS`` (xla_wrap/_support/flags.py),
-``torch.xla`` while the openxla backend compiles (xla_wrap/_paths/compiled/openxla.py),
+`xla_wrap._scan.alike`, the values xla_wrap keeps on the objects it wraps (under
+`_xla_wrap_*` or `_checkpoint_*` names, declared where they are written), and the effects
+on other libraries that the user asks for: `XLA_FLAGS` (xla_wrap/_support/flags.py),
+`torch.xla` while the openxla backend compiles (xla_wrap/_paths/compiled/openxla.py),
 transformers' checkpoint function (xla_wrap/integrations/transformers.py) and the custom op
-``xla_wrap::checkpoint_name`` (xla_wrap/_paths/compiled/checkpoint.py).
+`xla_wrap::checkpoint_name` (xla_wrap/_paths/compiled/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def is_recomputing() -> bool:
     Returns:
         Whether the calling thread is inside a recomputation.
 
-    Example:
+    Examples:
         >>> import xla_wrap
         >>> xla_wrap.is_recomputing()
         False
@@ -107,9 +107,10 @@ def recomputing() -> Iterator[None]:
 def disable_checkpointing() -> Iterator[None]:
     """Run every xla_wrap checkpoint as the plain call inside this context.
 
-    Wrapped modules, :func:`~xla_wrap.checkpoint`, :func:`~xla_wrap.checkpoint_sequential` and
-    scanned stacks (:func:`~xla_wrap.scan_layers`, :class:`~xla_wrap.ScannedLayers`) called
-    inside it run as if unwrapped: one forward, activations kept, no recomputation, the
+    Wrapped modules, [`checkpoint()`][xla_wrap.checkpoint],
+    [`checkpoint_sequential()`][xla_wrap.checkpoint_sequential] and scanned stacks
+    ([`scan_layers()`][xla_wrap.scan_layers], [`ScannedLayers`][xla_wrap.ScannedLayers])
+    called inside it run as if unwrapped: one forward, activations kept, no recomputation, the
     ordinary Python loop for a scanned stack. For evaluation with gradients, debugging, or a
     comparison against the unwrapped model without unwrapping it; as FairScale's context of
     the same name. It decides at forward time: a backward inside it of a forward run outside
@@ -117,9 +118,12 @@ def disable_checkpointing() -> Iterator[None]:
 
     The setting is per thread (other threads keep checkpointing), the contexts nest, and the
     previous setting comes back on exit, also when the body raises. It works as a decorator
-    too. Inside ``torch.compile`` it applies when the function is traced.
+    too. Inside `torch.compile` it applies when the function is traced.
 
-    Example:
+    Yields:
+        Nothing: the body of the `with` statement runs with checkpointing off.
+
+    Examples:
         >>> import torch, xla_wrap
         >>> layer = xla_wrap.checkpoint_wrapper(torch.nn.Linear(4, 4))
         >>> with xla_wrap.disable_checkpointing():
@@ -135,15 +139,17 @@ def disable_checkpointing() -> Iterator[None]:
 
 
 def checkpointing_disabled() -> bool:
-    """Whether :func:`disable_checkpointing` is in effect on the calling thread."""
+    """Whether [`disable_checkpointing()`][xla_wrap.disable_checkpointing] is in effect on the
+    calling thread."""
     return local.checkpointing_disabled > 0
 
 
 @contextmanager
 def checkpointing_as_in_forward() -> Iterator[None]:
     """Inside a recomputation: checkpointing on, as it was when the checkpointed forward ran
-    (a backward inside :func:`disable_checkpointing` must recompute nested checkpoints as
-    checkpoints, or the recomputation would save other tensors than the forward)."""
+    (a backward inside [`disable_checkpointing()`][xla_wrap.disable_checkpointing] must
+    recompute nested checkpoints as checkpoints, or the recomputation would save other tensors
+    than the forward)."""
     outside, local.checkpointing_disabled = local.checkpointing_disabled, 0
     try:
         yield

@@ -1,10 +1,10 @@
 """Split nested Python values into their tensors and everything else, and put them back.
 
 Checkpointed callables take and return any nesting of tuples, lists, dicts and namedtuples with
-non-tensor values mixed in. The autograd Function sees only the flat tensors; :class:`Flat`
+non-tensor values mixed in. The autograd Function sees only the flat tensors; `Flat`
 keeps the structure and the non-tensor leaves so that the exact value can be rebuilt around new
-tensors. The structure comes from ``torch.utils._pytree``, which also knows the containers that
-libraries register (transformers registers its ``ModelOutput``).
+tensors. The structure comes from `torch.utils._pytree`, which also knows the containers that
+libraries register (transformers registers its `ModelOutput`).
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ class Flat:
         return tuple(self.leaves[i] for i in self.tensor_positions)
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """The original value with its tensors replaced, in order, by ``tensors``."""
+        """The original value with its tensors replaced, in order, by `tensors`."""
         leaves = list(self.leaves)
         for position, tensor in zip(self.tensor_positions, tensors, strict=True):
             leaves[position] = tensor
         return pytree.tree_unflatten(leaves, self.spec)
 
     def without_tensors(self) -> Flat:
-        """The same structure with each tensor leaf replaced by its :class:`TensorMeta`, so
+        """The same structure with each tensor leaf replaced by its `TensorMeta`, so
         nothing here keeps the tensors alive."""
         leaves = list(self.leaves)
         for position in self.tensor_positions:

@@ -17,11 +17,11 @@ def warn_once(
     *,
     stacklevel: int | None = None,
 ) -> None:
-    """Warn with ``message`` the first time ``key`` comes, and never again in this process.
+    """Warn with `message` the first time `key` comes, and never again in this process.
 
     The warning points at the first frame outside xla_wrap and torch (the user's line), or,
-    with ``stacklevel``, that many frames above the caller of this function (2: the caller's
-    caller), as :func:`warnings.warn` counts them.
+    with `stacklevel`, that many frames above the caller of this function (2: the caller's
+    caller), as `warnings.warn()` counts them.
     """
     if key in process.warned:
         return

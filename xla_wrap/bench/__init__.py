@@ -1,4 +1,4 @@
-"""The side-by-side benchmark: ``python -m xla_wrap.bench`` (or ``xla-wrap-bench``).
+"""The side-by-side benchmark: `python -m xla_wrap.bench` (or `xla-wrap-bench`).
 
 See docs/benchmarks.md for what it measures and a real run.
 """

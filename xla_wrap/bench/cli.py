@@ -1,4 +1,4 @@
-"""``python -m xla_wrap.bench``: every checkpointing tool side by side on XLA:CPU."""
+"""`python -m xla_wrap.bench`: every checkpointing tool side by side on XLA:CPU."""
 
 from __future__ import annotations
 
@@ -328,7 +328,7 @@ def variants_for(model: str, variants: list[str]) -> list[str]:
 
 
 def spawn(job: dict[str, Any], flags: str, tmp: Path, timeout: float) -> dict[str, Any]:
-    """Run ``job`` in a fresh Python (XLA reads its flags at start-up) and return its result,
+    """Run `job` in a fresh Python (XLA reads its flags at start-up) and return its result,
     or an error saying how the process ended."""
     handle, name = tempfile.mkstemp(dir=tmp, suffix=".json")
     os.close(handle)

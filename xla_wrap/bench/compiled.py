@@ -1,12 +1,13 @@
-"""``python -m xla_wrap.bench --compile``: the benchmark's transformer under ``torch.compile``
+"""`python -m xla_wrap.bench --compile`: the benchmark's transformer under `torch.compile`
 (inductor, on the CPU), without checkpointing, with PyTorch's checkpoint wrapper, and with
-xla_wrap's (full recomputation and ``dots_saveable``), in one process.
+xla_wrap's (full recomputation and `dots_saveable`), in one process.
 
 Per variant: graph breaks; bytes the compiled forward saves for backward and matrix products
-in the backward graph (the partitioned graphs, :class:`xla_wrap.introspect.PartitionedGraphs`,
-the min-cut partitioner inductor uses); inductor's compile seconds (the first step less a
+in the backward graph (the partitioned graphs,
+[`xla_wrap.introspect.PartitionedGraphs`][xla_wrap.introspect.PartitionedGraphs], the min-cut
+partitioner inductor uses); inductor's compile seconds (the first step less a
 compiled one); the median step time; and whether the gradients equal the uncheckpointed
-compiled model's (inductor with ``fallback_random``, so that Dropout draws as eager does in
+compiled model's (inductor with `fallback_random`, so that Dropout draws as eager does in
 every variant).
 """
 
@@ -88,7 +89,7 @@ def measure(variant: str, sizes: dict[str, int], steps: int) -> dict[str, Any]:
 
 
 def run(sizes: dict[str, int], steps: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every variant, with ratios against ``none`` and a gradient verdict."""
+    """Every variant, with ratios against `none` and a gradient verdict."""
     results = []
     for index, variant in enumerate(VARIANTS, start=1):
         progress(f"[{index}/{len(VARIANTS)}] transformer / {variant} ...")

@@ -2,7 +2,8 @@
 
 What any checkpointing scheme must keep, given which blocks it checkpoints: parameters and
 their gradients; what the forward saves (each checkpointed block's input, every other block's
-residuals, the data), counted by :func:`xla_wrap.introspect.saved_residuals` on an ideally
+residuals, the data), counted by
+[`xla_wrap.introspect.saved_residuals()`][xla_wrap.introspect.saved_residuals] on an ideally
 checkpointed copy of the model; the internals of the largest checkpointed block while it is
 recomputed; and the gradients flowing into and out of that block.
 """
@@ -21,7 +22,7 @@ from .models import Workload
 
 
 def estimated_floor(workload: Workload, checkpointed: Iterable[int]) -> int:
-    """Bytes an ideal checkpoint of ``checkpointed`` blocks needs at peak (eager CPU, no XLA)."""
+    """Bytes an ideal checkpoint of `checkpointed` blocks needs at peak (eager CPU, no XLA)."""
     chosen = set(checkpointed)
     model = workload.model
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

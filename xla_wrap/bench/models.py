@@ -1,8 +1,8 @@
 """The benchmark's models: a stack of 1x1-convolution blocks and a transformer-style stack,
 the latter also sharded with SPMD FSDPv2 over a virtual CPU mesh ("transformer-fsdpv2").
 
-All expose ``blocks`` (an ``nn.ModuleList``) so that every variant checkpoints the same
-blocks, and a ``forward`` that calls each block the same way, keyword arguments included.
+All expose `blocks` (an `nn.ModuleList`) so that every variant checkpoints the same
+blocks, and a `forward` that calls each block the same way, keyword arguments included.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def causal_mask(seq: int) -> torch.Tensor:
 
 class TransformerBlock(nn.Module):
     """Pre-LayerNorm attention and MLP with Dropout. The mask comes as a keyword argument or,
-    with ``mask_seq``, from a non-persistent buffer the block keeps and only reads (as models
+    with `mask_seq`, from a non-persistent buffer the block keeps and only reads (as models
     keep causal masks and rotary tables)."""
 
     def __init__(
@@ -158,8 +158,8 @@ SHARDED_DEVICES = 4
 
 
 def build(name: str, sizes: dict[str, int]) -> Workload:
-    """Build model ``name`` (one of :data:`MODELS` or :data:`PLAN_ONLY_MODELS`) with
-    ``sizes`` on the CPU, seeded."""
+    """Build model `name` (one of `MODELS` or `PLAN_ONLY_MODELS`) with
+    `sizes` on the CPU, seeded."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     if name == "conv":

@@ -1,8 +1,9 @@
-"""The plan section (``--plan``): :func:`xla_wrap.plan_checkpointing` against every uniform
-plan, on the same model, in one process.
+"""The plan section (`--plan`):
+[`xla_wrap.plan_checkpointing()`][xla_wrap.plan_checkpointing] against every uniform plan, on
+the same model, in one process.
 
 The uniform plans are what users write by hand: nothing, every block fully recomputed, every
-block with ``dots_saveable``, every n-th block fully recomputed (n = 2, 3, 4; n = 1 is every
+block with `dots_saveable`, every n-th block fully recomputed (n = 2, 3, 4; n = 1 is every
 block). Each is compiled once for its peak and FLOPs. Then, for budgets spread between the
 all-full peak and the unplanned one, the planner plans, and its plan is compared with the
 cheapest uniform plan that fits the same budget.
@@ -25,7 +26,7 @@ BUDGET_POSITIONS = (0.25, 0.5, 0.75)
 
 
 def uniform_plans(count: int) -> dict[str, list[str]]:
-    """The hand-written plans for ``count`` blocks, by name."""
+    """The hand-written plans for `count` blocks, by name."""
     plans = {
         "none": [NONE] * count,
         "all full": [FULL] * count,
@@ -46,9 +47,12 @@ def compare_plans(
 ) -> dict[str, Any]:
     """Compile every uniform plan, then plan for each budget; the figures of both.
 
-    ``model`` (on the XLA device, not checkpointed) is left as it was. Returns ``{"uniform":
-    {name: {"peak_bytes", "flops", "choices"}}, "planned": [{"budget_bytes", "choices",
-    "peak_bytes", "flops", "predicted_peak_bytes", "compiles", "cheapest_uniform"}]}``.
+    `model` (on the XLA device, not checkpointed) is left as it was.
+
+    Returns:
+        `{"uniform": {name: {"peak_bytes", "flops", "choices"}}, "planned": [{"budget_bytes",
+        "choices", "peak_bytes", "flops", "predicted_peak_bytes", "compiles",
+        "cheapest_uniform"}]}`.
     """
     names = [name for name, _ in repeated_blocks(model)]
     labelled = {
@@ -89,7 +93,7 @@ def compare_plans(
 def step_of(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], choices: dict[str, str]
 ) -> Callable[[], torch.Tensor]:
-    """A training step of a copy of ``model`` checkpointed by ``choices``, for timing."""
+    """A training step of a copy of `model` checkpointed by `choices`, for timing."""
     import torch_xla
 
     copied = apply_choices("xla_wrap.bench", copy.deepcopy(model), choices)

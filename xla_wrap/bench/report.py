@@ -85,7 +85,7 @@ def _cell(run: dict[str, Any], key: str) -> str:
 
 
 def render_table(runs: list[dict[str, Any]], caption: str = "") -> str:
-    """The runs as an aligned text table, under ``caption`` (say how XLA was configured)."""
+    """The runs as an aligned text table, under `caption` (say how XLA was configured)."""
     rows = [tuple(title for _, title in COLUMNS)]
     rows += [tuple(_cell(run, key) for key, _ in COLUMNS) for run in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]

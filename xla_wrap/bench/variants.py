@@ -1,7 +1,7 @@
 """The checkpointing variants the benchmark compares, each applied to the same blocks.
 
-Each is what a user would write with that tool. ``torch_xla.utils.checkpoint`` rejects keyword
-arguments, so its users bind them with ``functools.partial``; that is what it gets here.
+Each is what a user would write with that tool. `torch_xla.utils.checkpoint` rejects keyword
+arguments, so its users bind them with `functools.partial`; that is what it gets here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import xla_wrap
 
 
 class _CallThrough(nn.Module):
-    """Calls ``checkpoint_fn(block, *args, **kwargs)``: how function-style APIs are used."""
+    """Calls `checkpoint_fn(block, *args, **kwargs)`: how function-style APIs are used."""
 
     def __init__(self, block: nn.Module, checkpoint_fn: Callable[..., Any]) -> None:
         super().__init__()
@@ -67,7 +67,7 @@ def _xla_wrap_dots(block: nn.Module) -> nn.Module:
 
 
 class _TorchXlaScanned(xla_wrap.ScannedLayers):
-    """The blocks through torch_xla's ``scan_layers``, with min-cut rematerialization (what
+    """The blocks through torch_xla's `scan_layers`, with min-cut rematerialization (what
     its docs suggest for activation checkpointing)."""
 
     def _run_stack(

@@ -1,8 +1,8 @@
 """Benchmark work done inside fresh processes.
 
-:func:`measure` compiles and checks one variant (peak memory, FLOPs, gradients, recompiles) in a
+`measure()` compiles and checks one variant (peak memory, FLOPs, gradients, recompiles) in a
 process of its own, so a crash or a cached compilation cannot leak into another variant.
-:func:`time_variants` then times every variant that ran in *one* process, interleaving their
+`time_variants()` then times every variant that ran in *one* process, interleaving their
 steps round by round, so that the step-time ratios do not move with the machine's load.
 """
 
@@ -39,7 +39,7 @@ def measure(model_name: str, variant: str, sizes: dict[str, int], grads: Path) -
 def time_variants(model_name: str, variants: list[str], sizes: dict[str, int], steps: int) -> dict:
     """Median XLA execution time (ms) per variant, all in this process, steps interleaved.
 
-    Each step waits for its execution to finish before its ``ExecuteTime`` sample is read, and
+    Each step waits for its execution to finish before its `ExecuteTime` sample is read, and
     must add exactly one sample (one execution per step). A variant that fails here is dropped
     with its error; the others go on.
     """
@@ -58,7 +58,7 @@ def interleaved_step_ms(
     steps_by_name: dict[str, Callable[[], Any]], steps: int
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Median XLA execution time (ms) of each step, steps interleaved round by round after
-    :data:`WARM_UP_STEPS`; and the error of each step that failed (the others go on)."""
+    `WARM_UP_STEPS`; and the error of each step that failed (the others go on)."""
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
@@ -119,7 +119,7 @@ def _error(error: Exception) -> dict:
 
 
 def _prepare(model_name: str, variant: str, sizes: dict[str, int]) -> Callable[[], torch.Tensor]:
-    """Build the model on the XLA device, apply ``variant`` to all blocks but the first, and
+    """Build the model on the XLA device, apply `variant` to all blocks but the first, and
     return its training step (forward, backward, sync; the loss is the only output kept)."""
     import torch_xla
 
@@ -161,8 +161,8 @@ def _sharded(
     workload: Workload, wrap: Callable[[nn.Module], nn.Module] | None
 ) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     """The workload under SPMD FSDPv2: every block a unit, the root a unit, the batch split
-    over a 1-D "fsdp" mesh of ``workload.devices`` devices. A variant checkpoints the units of
-    all blocks but the first from outside (``checkpoint(FSDPv2(block))``), the order in which
+    over a 1-D "fsdp" mesh of `workload.devices` devices. A variant checkpoints the units of
+    all blocks but the first from outside (`checkpoint(FSDPv2(block))`), the order in which
     FSDPv2 shards each output inside the checkpoint, for every tool alike."""
     import numpy as np
     import torch_xla

@@ -1,2 +1,2 @@
 """Drop-in checkpointing for other libraries' models. Each submodule imports its library only
-when used: ``xla_wrap.integrations.transformers`` needs the ``hf`` extra."""
+when used: `xla_wrap.integrations.transformers` needs the `hf` extra."""

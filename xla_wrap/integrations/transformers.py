@@ -1,19 +1,24 @@
 """Hugging Face transformers: checkpoint a model's layers with xla_wrap, through transformers'
 own switch.
 
-transformers' ``model.gradient_checkpointing_enable()`` and ``TrainingArguments(
-gradient_checkpointing=True)`` checkpoint with ``torch.utils.checkpoint``, which fails on XLA
-(``module 'torch' has no attribute 'xla'``) and would save no memory there anyway.
-transformers lets a model take another checkpoint function. Two ways in:
+transformers' `model.gradient_checkpointing_enable()` and
+`TrainingArguments(gradient_checkpointing=True)` checkpoint with `torch.utils.checkpoint`,
+which fails on XLA (`module 'torch' has no attribute 'xla'`) and would save no memory there
+anyway. transformers lets a model take another checkpoint function. Two ways in:
+[`install()`][xla_wrap.integrations.transformers.install] makes the flag (the `Trainer`'s
+included) use xla_wrap on XLA, and
+[`gradient_checkpointing_enable()`][xla_wrap.integrations.transformers.gradient_checkpointing_enable]
+checkpoints one model.
 
+Either way [`xla_wrap.checkpoint()`][xla_wrap.checkpoint] finds each layer's parameters from
+the `functools.partial` of the layer's `forward` that transformers passes.
+
+Needs transformers (`pip install 'xla_wrap[hf]'`).
+
+Examples:
     >>> from xla_wrap.integrations import transformers as xla_hf
-    >>> xla_hf.install()      # the flag, Trainer's included, uses xla_wrap on XLA  # doctest: +SKIP
-    >>> xla_hf.gradient_checkpointing_enable(model, every_n_layers=2)  # one model  # doctest: +SKIP
-
-Either way :func:`xla_wrap.checkpoint` finds each layer's parameters from the
-``functools.partial`` of the layer's ``forward`` that transformers passes.
-
-Needs transformers (``pip install 'xla_wrap[hf]'``).
+    >>> xla_hf.install()  # doctest: +SKIP
+    >>> xla_hf.gradient_checkpointing_enable(model, every_n_layers=2)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -60,37 +65,45 @@ def gradient_checkpointing_enable(
     plan: CheckpointPlan | None = None,
     **checkpoint_options: Any,
 ) -> None:
-    """Checkpoint the layers of a transformers ``PreTrainedModel`` with xla_wrap.
+    """Checkpoint the layers of a transformers `PreTrainedModel` with xla_wrap.
 
-    Every ``every_n_layers``-th layer (the first, then every n-th) is checkpointed; the others
-    keep their activations. ``config.use_cache`` is set to False, as transformers users are
+    Every `every_n_layers`-th layer (the first, then every n-th) is checkpointed; the others
+    keep their activations. `config.use_cache` is set to False, as transformers users are
     told to when checkpointing (a key/value cache cannot be recomputed, and filling one while
-    training changes the attention's numerics); :func:`gradient_checkpointing_disable`
+    training changes the attention's numerics);
+    [`gradient_checkpointing_disable()`][xla_wrap.integrations.transformers.gradient_checkpointing_disable]
     restores it.
 
     Args:
-        model: A transformers ``PreTrainedModel`` whose class supports gradient checkpointing.
+        model: A transformers `PreTrainedModel` whose class supports gradient checkpointing.
         every_n_layers: Checkpoint one layer in this many (1: all of them).
-        scan: Run each list of layers as one scanned stack (:class:`xla_wrap.ScannedLayers`):
-            one compiled layer body on XLA instead of one per layer. Only models whose forward
-            passes each layer's result to the next and nothing else qualify (docs/scan.md
-            lists them); every layer is checkpointed, and only ``policy`` and
-            ``offload_to_cpu`` apply.
-        stack_parameters: With ``scan``, store each scanned list's parameters stacked
-            (:class:`xla_wrap.ScannedLayers`): compile time flat in depth. The model's
-            parameters change (``state_dict`` does not): build the optimizer after this.
-        plan: A :class:`xla_wrap.CheckpointPlan` for this model
-            (:func:`xla_wrap.plan_checkpointing`): each layer is checkpointed as the plan
-            chose, and ``every_n_layers`` is the special case of a plan that fully recomputes
-            every n-th layer. Takes no other option.
-        **checkpoint_options: Options of :func:`xla_wrap.checkpoint_wrapper`
-            (``preserve_rng_state``, ``use_reentrant``, ``policy``, ``offload_to_cpu``).
+        scan: Run each list of layers as one scanned stack
+            ([`xla_wrap.ScannedLayers`][xla_wrap.ScannedLayers]): one compiled layer body on
+            XLA instead of one per layer. Only models whose forward passes each layer's result
+            to the next and nothing else qualify (docs/scan.md lists them); every layer is
+            checkpointed, and only `policy` and `offload_to_cpu` apply.
+        stack_parameters: With `scan`, store each scanned list's parameters stacked
+            ([`xla_wrap.ScannedLayers`][xla_wrap.ScannedLayers]): compile time flat in depth.
+            The model's parameters change (`state_dict` does not): build the optimizer after
+            this.
+        plan: A [`xla_wrap.CheckpointPlan`][xla_wrap.CheckpointPlan] for this model
+            ([`xla_wrap.plan_checkpointing()`][xla_wrap.plan_checkpointing]): each layer is
+            checkpointed as the plan chose, and `every_n_layers` is the special case of a plan
+            that fully recomputes every n-th layer. Takes no other option.
+        **checkpoint_options: Options of
+            [`xla_wrap.checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper]
+            (`preserve_rng_state`, `use_reentrant`, `policy`, `offload_to_cpu`).
 
     Raises:
         ImportError: If transformers is not installed.
-        CheckpointTypeError: If ``model`` is not a ``PreTrainedModel`` or an option is unknown.
-        CheckpointValueError: If the model does not support gradient checkpointing, or
-            ``every_n_layers`` is not a positive integer.
+        CheckpointTypeError: If `model` is not a `PreTrainedModel`, or an option is unknown
+            or has the wrong type.
+        CheckpointValueError: If the model does not support gradient checkpointing (or
+            overrides transformers' pre-4.35 `_set_gradient_checkpointing`),
+            `every_n_layers` is not a positive integer, `stack_parameters` is given without
+            `scan`, `scan` is given with `every_n_layers` or options other than `policy` and
+            `offload_to_cpu`, `plan` is not a `CheckpointPlan` or comes with other options,
+            or the save `policy` is unknown or given with `use_reentrant=True`.
     """
     api = "xla_wrap.integrations.transformers.gradient_checkpointing_enable"
     _check_model(api, model)
@@ -135,12 +148,21 @@ def gradient_checkpointing_enable(
 
 
 def gradient_checkpointing_disable(model: nn.Module) -> None:
-    """Undo :func:`gradient_checkpointing_enable`: no layer is checkpointed any more, and
-    ``config.use_cache`` is what it was before.
+    """Undo `gradient_checkpointing_enable()`.
+
+    No layer is checkpointed any more, and `config.use_cache` is what it was before
+    [`gradient_checkpointing_enable()`][xla_wrap.integrations.transformers.gradient_checkpointing_enable].
+
+    Scanned layer lists become plain `nn.ModuleList`s again (stacked parameters become
+    per-layer ones: build the optimizer again), and the layers a plan checkpointed are
+    unwrapped.
+
+    Args:
+        model: The transformers `PreTrainedModel` whose checkpointing to switch off.
 
     Raises:
         ImportError: If transformers is not installed.
-        CheckpointTypeError: If ``model`` is not a ``PreTrainedModel``.
+        CheckpointTypeError: If `model` is not a `PreTrainedModel`.
         CheckpointValueError: If the model does not support gradient checkpointing.
     """
     _check_model("xla_wrap.integrations.transformers.gradient_checkpointing_disable", model)
@@ -159,7 +181,7 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
 def _scan_layers(
     api: str, model: Any, every_n_layers: int, options: dict[str, Any], stack_parameters: bool
 ) -> None:
-    """Scan every list of transformers' checkpointable layers in ``model``."""
+    """Scan every list of transformers' checkpointable layers in `model`."""
     other = sorted(set(options) - {"policy", "offload_to_cpu"})
     if every_n_layers != 1 or other:
         raise CheckpointValueError(
@@ -190,25 +212,25 @@ _XLA_WRAP_ONLY = frozenset({"policy", "offload_to_cpu"})
 def install(*, everywhere: bool = False) -> None:
     """Make transformers' own checkpointing switch checkpoint with xla_wrap on XLA.
 
-    Afterwards ``TrainingArguments(gradient_checkpointing=True)`` (or
-    ``activation_checkpointing=True``), ``model.gradient_checkpointing_enable()`` and
-    ``model.activation_checkpointing_enable()`` checkpoint each layer that runs on an XLA
-    device with :func:`xla_wrap.checkpoint`. Layers on other devices keep
-    ``torch.utils.checkpoint``, unless ``everywhere`` is True or the checkpoint keyword
-    arguments name an option only xla_wrap has (``policy``, ``offload_to_cpu``). The device is
+    Afterwards `TrainingArguments(gradient_checkpointing=True)` (or
+    `activation_checkpointing=True`), `model.gradient_checkpointing_enable()` and
+    `model.activation_checkpointing_enable()` checkpoint each layer that runs on an XLA
+    device with [`xla_wrap.checkpoint()`][xla_wrap.checkpoint]. Layers on other devices keep
+    `torch.utils.checkpoint`, unless `everywhere` is True or the checkpoint keyword
+    arguments name an option only xla_wrap has (`policy`, `offload_to_cpu`). The device is
     looked at in every call, so enabling checkpointing before moving the model works too.
 
-    The keyword arguments (``gradient_checkpointing_kwargs``) go to the checkpoint that runs;
-    xla_wrap takes ``use_reentrant``, ``preserve_rng_state``, ``policy`` and
-    ``offload_to_cpu``, and transformers' ``offload=True`` becomes ``offload_to_cpu=True``.
-    Calling it again only updates ``everywhere`` (for every model, process-wide).
+    The keyword arguments (`gradient_checkpointing_kwargs`) go to the checkpoint that runs;
+    xla_wrap takes `use_reentrant`, `preserve_rng_state`, `policy` and
+    `offload_to_cpu`, and transformers' `offload=True` becomes `offload_to_cpu=True`.
+    Calling it again only updates `everywhere` (for every model, process-wide).
 
     Args:
         everywhere: Checkpoint with xla_wrap on every device, not only on XLA.
 
     Raises:
         ImportError: If transformers is not installed.
-        CheckpointTypeError: If ``everywhere`` is not a bool.
+        CheckpointTypeError: If `everywhere` is not a bool.
     """
     api = "xla_wrap.integrations.transformers.install"
     if not isinstance(everywhere, bool):
@@ -230,9 +252,11 @@ def install(*, everywhere: bool = False) -> None:
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: transformers checkpoints with ``torch.utils.checkpoint`` again
-    from the next time a model's checkpointing is enabled (models enabled before keep
-    xla_wrap's until then). Does nothing if not installed."""
+    """Undo [`install()`][xla_wrap.integrations.transformers.install].
+
+    transformers checkpoints with `torch.utils.checkpoint` again from the next time a model's
+    checkpointing is enabled (models enabled before keep xla_wrap's until then). Does nothing if
+    not installed."""
     if not installed():
         return
     modeling = _modeling_utils("xla_wrap.integrations.transformers.uninstall")
@@ -244,7 +268,13 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    """Whether :func:`install` is in effect."""
+    """Whether [`install()`][xla_wrap.integrations.transformers.install] is in effect.
+
+    Returns:
+        `True` between [`install()`][xla_wrap.integrations.transformers.install] and
+        [`uninstall()`][xla_wrap.integrations.transformers.uninstall]; `False` otherwise,
+        also when transformers is not imported.
+    """
     return bool(_originals())
 
 
@@ -273,9 +303,9 @@ def _offload_as_an_option(
 
 
 def _checkpoint_layer(function: Callable[..., Any], *args: Any, **options: Any) -> Any:
-    """The checkpoint function transformers calls per layer once :func:`install` ran:
-    ``function`` is ``partial(Layer.forward, layer, **kwargs)``, ``args`` the layer's
-    positional tensors, ``options`` the checkpoint keyword arguments."""
+    """The checkpoint function transformers calls per layer once `install()` ran: `function`
+    is `partial(Layer.forward, layer, **kwargs)`, `args` the layer's positional tensors,
+    `options` the checkpoint keyword arguments."""
     offload = bool(options.pop("offload", False))
     everywhere = _originals().get("everywhere", False)
     if everywhere or not _XLA_WRAP_ONLY.isdisjoint(options) or _runs_on_xla(function, args):

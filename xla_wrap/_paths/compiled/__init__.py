@@ -1,2 +1,2 @@
 """The torch.compile gateway: the only place that reaches Dynamo, AOTAutograd and
-``torch.utils.checkpoint``."""
+`torch.utils.checkpoint`."""

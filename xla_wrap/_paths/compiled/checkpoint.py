@@ -1,20 +1,20 @@
-"""Checkpointing inside ``torch.compile``: the compiler's own checkpoint, with our policies.
+"""Checkpointing inside `torch.compile`: the compiler's own checkpoint, with our policies.
 
-Under ``torch.compile`` there is no step to replay and no barrier to place by hand: Dynamo
-turns ``torch.utils.checkpoint.checkpoint`` into the checkpoint higher-order op, AOTAutograd
-tags the region's nodes for recomputation (``node.meta["recompute"]``), the partitioner
+Under `torch.compile` there is no step to replay and no barrier to place by hand: Dynamo
+turns `torch.utils.checkpoint.checkpoint` into the checkpoint higher-order op, AOTAutograd
+tags the region's nodes for recomputation (`node.meta["recompute"]`), the partitioner
 recomputes them in the backward graph, and a backend that needs barriers (TorchTPU) places
 them by those tags. xla_wrap's own engines capture random generator states and run autograd
 Functions that Dynamo cannot trace, so while Dynamo traces, every xla_wrap checkpoint becomes
 that op instead; the random numbers are then the compiler's business (it keeps the forward's
 masks for the recomputation).
 
-Save policies become selective checkpointing (``create_selective_checkpoint_contexts``): the
-policy is asked for every ATen operation of the region, as the compiler sees it (``mm``,
-``addmm``, ``bmm``, ``convolution``; ``linear`` and ``matmul`` where a backend keeps them
-whole), and for each value tagged with :func:`xla_wrap.checkpoint_name`, which inside a
-compiled region is an operation of its own (``xla_wrap::checkpoint_name``) so that a policy can
-find it by name.
+Save policies become selective checkpointing (`create_selective_checkpoint_contexts`): the
+policy is asked for every ATen operation of the region, as the compiler sees it (`mm`,
+`addmm`, `bmm`, `convolution`; `linear` and `matmul` where a backend keeps them
+whole), and for each value tagged with [`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name],
+which inside a compiled region is an operation of its own (`xla_wrap::checkpoint_name`) so that
+a policy can find it by name.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _NAME_OP = "xla_wrap::checkpoint_name"
 
 
 def compiling() -> bool:
-    """Whether Dynamo is tracing the caller (``torch.compile``)."""
+    """Whether Dynamo is tracing the caller (`torch.compile`)."""
     return bool(torch.compiler.is_compiling())
 
 
@@ -51,7 +51,7 @@ def checkpoint(
     policy: cp.SavePolicy | None,
     offload_to_cpu: bool,
 ) -> Any:
-    """``function(*args, **kwargs)`` as the compiler's checkpoint, with the save ``policy``.
+    """`function(*args, **kwargs)` as the compiler's checkpoint, with the save `policy`.
     The reentrant engine has no compiled form; both engines compile to the same op."""
     if offload_to_cpu:
         raise CheckpointValueError(
@@ -74,7 +74,7 @@ def checkpoint(
 
 
 def _context_fn(api: str, policy: cp.SavePolicy) -> Callable[[], Any]:
-    """Selective checkpointing's contexts for ``policy``, as a partial of constants: Dynamo
+    """Selective checkpointing's contexts for `policy`, as a partial of constants: Dynamo
     takes the context function of a checkpoint only as a function or a partial it can hold
     as a constant, and a policy object made in the compiled code is neither."""
     return functools.partial(_contexts, api, cp.to_constants(policy))
@@ -89,7 +89,7 @@ def _contexts(api: str, spec: Any) -> Any:
 @dataclass(frozen=True)
 class _Policy:
     """A save policy as selective checkpointing asks it: per ATen operation, before it runs
-    (so :class:`~xla_wrap.checkpoint_policies.Op` carries no output shapes there)."""
+    (so [`Op`][xla_wrap.checkpoint_policies.Op] carries no output shapes there)."""
 
     api: str
     policy: cp.SavePolicy
@@ -130,17 +130,18 @@ def _warn_offload_kept(api: str) -> None:
 
 
 def _aten_name(func: Any) -> str:
-    """``aten.addmm.default`` -> ``"addmm"``, as :data:`checkpoint_policies.DOT_FUNCTIONS`
-    names it."""
+    """`aten.addmm.default` -> `"addmm"`, as
+    [`checkpoint_policies.DOT_FUNCTIONS`][xla_wrap.checkpoint_policies.DOT_FUNCTIONS] names
+    it."""
     packet = getattr(func, "overloadpacket", func)
     return str(getattr(packet, "__name__", func)).rpartition(".")[2]
 
 
 @torch.library.custom_op(_NAME_OP, mutates_args=())
 def _checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """:func:`xla_wrap.checkpoint_name` inside a compiled region: an operation of its own,
-    which a policy finds by name. It copies the value (a custom operation may not alias its
-    input)."""
+    """[`xla_wrap.checkpoint_name()`][xla_wrap.checkpoint_name] inside a compiled region: an
+    operation of its own, which a policy finds by name. It copies the value (a custom
+    operation may not alias its input)."""
     return tensor.clone()
 
 
@@ -158,6 +159,6 @@ _NAME = torch.ops.xla_wrap.checkpoint_name.default
 
 
 def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """``tensor`` tagged with ``name`` inside a compiled region."""
+    """`tensor` tagged with `name` inside a compiled region."""
     result: torch.Tensor = _checkpoint_name(tensor, name)
     return result

@@ -1,8 +1,8 @@
-"""torch_xla's ``openxla`` Dynamo backend, with barriers in front of the recomputation.
+"""torch_xla's `openxla` Dynamo backend, with barriers in front of the recomputation.
 
-Under ``torch.compile`` a checkpoint's recomputation lands in the backward graph, each region
-(``node.meta["ac_graph_id"]``) right after the gradient that needs it, its nodes tagged
-``node.meta["recompute"]``. ``openxla`` hands that graph to XLA as one program, and XLA may run
+Under `torch.compile` a checkpoint's recomputation lands in the backward graph, each region
+(`node.meta["ac_graph_id"]`) right after the gradient that needs it, its nodes tagged
+`node.meta["recompute"]`. `openxla` hands that graph to XLA as one program, and XLA may run
 every region's recomputation at the program's start, where all their inputs already exist:
 measured, the backward program then holds every block's activations at once and the step's
 peak is the uncheckpointed one. TorchTPU's backend places optimization barriers by the tags;
@@ -35,19 +35,30 @@ _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUT
 def openxla_backend(
     graph_module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
 ) -> Callable[..., Any]:
-    """A ``torch.compile`` backend: torch_xla's ``openxla``, with optimization barriers that
-    order each checkpoint's recomputation after the gradient that needs it.
+    """A `torch.compile` backend: torch_xla's `openxla`, with optimization barriers.
 
-    With plain ``backend="openxla"`` a checkpoint recomputes but saves no memory: XLA runs
+    The barriers order each checkpoint's recomputation after the gradient that needs it.
+
+    With plain `backend="openxla"` a checkpoint recomputes but saves no memory: XLA runs
     every recomputation at the start of the backward program. Here the step's peak is that of
-    the lazy-tensor path (docs/compile.md has the figures). Also known to ``torch.compile`` by
-    name, as ``backend="xla_wrap_openxla"`` (for trainers that take a string).
+    the lazy-tensor path (docs/compile.md has the figures). Also known to `torch.compile` by
+    name, as `backend="xla_wrap_openxla"` (for trainers that take a string).
 
-    Example:
-        >>> model = torch.compile(model, backend=xla_wrap.openxla_backend)  # doctest: +SKIP
+    Pass the function itself as `backend=`; Dynamo calls it, once per graph it captures.
+
+    Args:
+        graph_module: The FX graph Dynamo captured.
+        example_inputs: Example inputs of that graph.
+
+    Returns:
+        The compiled function that Dynamo runs in place of the graph (forward and backward
+        through XLA).
 
     Raises:
         CheckpointError: If torch_xla is not installed.
+
+    Examples:
+        >>> model = torch.compile(model, backend=xla_wrap.openxla_backend)  # doctest: +SKIP
     """
     if not xla.installed():
         raise CheckpointError(
@@ -68,10 +79,10 @@ def openxla_backend(
 
 @contextlib.contextmanager
 def _xla_device_module() -> Iterator[None]:
-    """``torch.xla`` while AOTAutograd traces: selective checkpointing looks up the device
-    module of its inputs' device (``getattr(torch, "xla")``, which torch_xla 2.9 does not
-    register), only to read ``_initialized``. Without it, a save policy fails to compile with
-    ``AttributeError: module 'torch' has no attribute 'xla'``."""
+    """`torch.xla` while AOTAutograd traces: selective checkpointing looks up the device
+    module of its inputs' device (`getattr(torch, "xla")`, which torch_xla 2.9 does not
+    register), only to read `_initialized`. Without it, a save policy fails to compile with
+    `AttributeError: module 'torch' has no attribute 'xla'`."""
     if hasattr(torch, "xla"):
         yield
         return
@@ -181,7 +192,7 @@ def place_barriers(graph_module: fx.GraphModule) -> int:
 
 
 def _sort(graph: fx.Graph) -> None:
-    """Order ``graph`` topologically, keeping each node where it is unless an input of it
+    """Order `graph` topologically, keeping each node where it is unless an input of it
     comes later, which is then moved up in front of it."""
     done: set[fx.Node] = set()
     ordered: list[fx.Node] = []

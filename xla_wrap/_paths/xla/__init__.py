@@ -1,6 +1,6 @@
 """The torch_xla gateway: the only room that imports torch_xla, always inside a function, so
-``import xla_wrap`` works without it. A tensor can only live on an XLA device once torch_xla is
-loaded, so every question about XLA is answered from ``sys.modules``.
+`import xla_wrap` works without it. A tensor can only live on an XLA device once torch_xla is
+loaded, so every question about XLA is answered from `sys.modules`.
 
 rng: the seeds (replayed for a recomputation, kept true across steps); runtime: questions about
 lazy tensors and the runtime; sharding: SPMD annotations; lowering: barriers and host placement

@@ -25,7 +25,7 @@ KEEP_BARRIERS_FLAG = f"--xla_disable_hlo_passes={BARRIER_STRIPPING_PASS}"
 
 
 def barrier_(tensors: Sequence[torch.Tensor]) -> None:
-    """Put the XLA tensors of ``tensors`` through one optimization barrier per device, in place.
+    """Put the XLA tensors of `tensors` through one optimization barrier per device, in place.
 
     One barrier over all of them ties them together: XLA cannot compute anything that reads one
     barrier output before every input of the barrier exists, and cannot treat an output as the
@@ -57,12 +57,12 @@ def host_offload_supported() -> bool:
 
 
 def place_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` annotated to live in pinned host memory (``annotate_device_placement``)."""
+    """`tensor` annotated to live in pinned host memory (`annotate_device_placement`)."""
     return _placement_ops().place_to_host(tensor)
 
 
 def place_to_device(tensor: torch.Tensor) -> torch.Tensor:
-    """A value placed by :func:`place_to_host`, annotated back to device memory."""
+    """A value placed by `place_to_host()`, annotated back to device memory."""
     return _placement_ops().place_to_device(tensor)
 
 
@@ -74,13 +74,13 @@ def _placement_ops() -> Any:
 def barrier_stripping_active(device_type: str, xla_flags: str | None = None) -> bool:
     """Whether XLA will delete optimization barriers before CSE on this backend.
 
-    The XLA:CPU pipeline runs ``cse_barrier_expander`` before CSE unless the pass is disabled in
-    ``XLA_FLAGS``; then checkpointing saves no memory there. GPU expands barriers only after
+    The XLA:CPU pipeline runs `cse_barrier_expander` before CSE unless the pass is disabled in
+    `XLA_FLAGS`; then checkpointing saves no memory there. GPU expands barriers only after
     scheduling and TPU keeps them, so neither strips them early.
 
     Args:
-        device_type: torch_xla's device type (``"CPU"``, ``"TPU"``, ``"CUDA"``, ...).
-        xla_flags: The flags to inspect; ``XLA_FLAGS`` from the environment when omitted.
+        device_type: torch_xla's device type (`"CPU"`, `"TPU"`, `"CUDA"`, ...).
+        xla_flags: The flags to inspect; `XLA_FLAGS` from the environment when omitted.
     """
     if device_type.upper() != "CPU":
         return False
@@ -105,16 +105,16 @@ def warn_if_barriers_stripped(tensors: Iterable[torch.Tensor]) -> None:
 @functools.cache
 def barriers_stripped_here() -> bool:
     """Whether this process's XLA backend deletes barriers before CSE (see
-    :func:`barrier_stripping_active`). XLA reads its flags once per process, so the answer
+    `barrier_stripping_active()`). XLA reads its flags once per process, so the answer
     cannot change."""
     runtime = loaded("torch_xla.runtime")
     return runtime is not None and barrier_stripping_active(runtime.device_type())
 
 
 def barriered(tensors: Sequence[torch.Tensor], in_place: Sequence[bool]) -> list[torch.Tensor]:
-    """Detached XLA tensors equal to ``tensors``, through one barrier per device together.
+    """Detached XLA tensors equal to `tensors`, through one barrier per device together.
 
-    A tensor marked ``in_place`` is barriered through a detached alias, which shares the lazy
+    A tensor marked `in_place` is barriered through a detached alias, which shares the lazy
     value with the caller's tensor: every later reader of that tensor reads the barrier's
     output as well, so XLA needs no copy to keep the pre-barrier value alive beside it
     (measured: one activation less at peak on the conv stack of docs/index.md). The others are

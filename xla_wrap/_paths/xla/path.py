@@ -44,7 +44,7 @@ class XlaPath:
 
     def refuse_unreplayable(self, api: str, captured: object) -> None:
         """Refuse a forward that drew XLA random numbers where its draws cannot be replayed: in
-        torch_xla's ``gradient_accumulation`` loop, the recomputation would draw other Dropout
+        torch_xla's `gradient_accumulation` loop, the recomputation would draw other Dropout
         masks than the forward, and the gradients would be wrong without any error."""
         assert isinstance(captured, tuple)
         for device, seed in captured:

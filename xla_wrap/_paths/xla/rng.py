@@ -4,7 +4,7 @@ XLA keeps two numbers per device: a *running* seed that each random op advances,
 seed that the step started from and that every step marker advances. torch_xla's only setter
 writes both, so after a recomputation the running seed can be restored but the base seed is
 left at whatever was set last, and every later step would draw a different stream than the
-unwrapped model. :class:`StepBaseSeed` remembers the true base seed of the step and, through a
+unwrapped model. `StepBaseSeed` remembers the true base seed of the step and, through a
 step closure, gives the next step the base seed XLA would have given it. All of xla_wrap's
 handling of XLA seeds lives in this file.
 """
@@ -45,7 +45,7 @@ def set_rng_state(device: torch.device, seed: int) -> None:
 
 
 def advance_seed(seed: int) -> int:
-    """The running seed after one random op draws from ``seed`` (XLA's per-draw step)."""
+    """The running seed after one random op draws from `seed` (XLA's per-draw step)."""
     return (_DRAW_SEED_ADD + seed * _DRAW_SEED_MUL) & SEED_MASK
 
 
@@ -53,7 +53,7 @@ def base_seed(device: torch.device) -> int:
     """The base seed of an XLA device: the seed its step started from.
 
     Reading it restarts the device's pending seed chain at the base seed, so call it only right
-    before :func:`set_rng_state` overwrites the state anyway.
+    before `set_rng_state()` overwrites the state anyway.
     """
     torch_xla = loaded("torch_xla")
     assert torch_xla is not None
@@ -61,12 +61,12 @@ def base_seed(device: torch.device) -> int:
 
 
 def next_step_seed(seed: int) -> int:
-    """The base seed XLA gives the next step when this step's base seed is ``seed``."""
+    """The base seed XLA gives the next step when this step's base seed is `seed`."""
     return (_STEP_SEED_ADD + seed * _STEP_SEED_MUL) & SEED_MASK
 
 
 def add_step_closure(closure: Callable[[], None]) -> None:
-    """Run ``closure`` after the next step marker (``torch_xla.sync()``)."""
+    """Run `closure` after the next step marker (`torch_xla.sync()`)."""
     xm = loaded("torch_xla.core.xla_model")
     assert xm is not None
     xm.add_step_closure(closure)
@@ -74,8 +74,8 @@ def add_step_closure(closure: Callable[[], None]) -> None:
 
 @contextmanager
 def replay(device: torch.device, seed: int) -> Iterator[None]:
-    """Run the block with the device's running seed at ``seed``, then put the seed back and keep
-    the step's base seed true (see :class:`StepBaseSeed`)."""
+    """Run the block with the device's running seed at `seed`, then put the seed back and keep
+    the step's base seed true (see `StepBaseSeed`)."""
     outside = rng_state(device)
     StepBaseSeed.remember(device)
     set_rng_state(device, seed)
@@ -110,7 +110,7 @@ class StepBaseSeed:
     """Per device and thread: the base seed of the current step, from the first replay in the
     step until the step marker, and the last seed a replay wrote.
 
-    The table is thread-local (``xla_wrap._support.state.local``), filled by the first replay
+    The table is thread-local (`xla_wrap._support.state.local`), filled by the first replay
     of a step and emptied by the step closure that replay registers, so it cannot outlive its
     step.
     """
@@ -177,7 +177,7 @@ def keep_stream(device: torch.device) -> Iterator[None]:
 
 
 def mix(seed: int) -> int:
-    """SplitMix64 of ``seed``: a seed unrelated to the stream ``seed`` continues."""
+    """SplitMix64 of `seed`: a seed unrelated to the stream `seed` continues."""
     z = (seed + 0x9E3779B97F4A7C15) & SEED_MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & SEED_MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & SEED_MASK

@@ -2,7 +2,7 @@
 
 torch_xla is optional: xla_wrap imports on plain CPU/CUDA torch, and nothing here imports
 torch_xla on its own initiative. A tensor can only live on an XLA device once torch_xla is
-loaded, so every question about XLA is answered from ``sys.modules``; the rest of the package
+loaded, so every question about XLA is answered from `sys.modules`; the rest of the package
 asks these functions and never touches torch_xla directly.
 """
 
@@ -24,7 +24,7 @@ from ..._support.errors import XlaWrapError
 
 
 def loaded(name: str) -> ModuleType | None:
-    """The module ``name`` if this process has imported it (torch_xla is never imported here on
+    """The module `name` if this process has imported it (torch_xla is never imported here on
     xla_wrap's own initiative)."""
     return sys.modules.get(name)
 
@@ -41,14 +41,14 @@ def runtime_started() -> bool:
 
 
 def sync() -> None:
-    """Compile and run the pending lazy graph (``torch_xla.sync()``)."""
+    """Compile and run the pending lazy graph (`torch_xla.sync()`)."""
     torch_xla = loaded("torch_xla")
     assert torch_xla is not None  # only called with XLA tensors about
     torch_xla.sync()
 
 
 def pending_hlo_text(tensors: Sequence[torch.Tensor]) -> str:
-    """The HLO module that would compute ``tensors`` (XLA tensors), as text."""
+    """The HLO module that would compute `tensors` (XLA tensors), as text."""
     torch_xla = loaded("torch_xla")
     assert torch_xla is not None
     text: str = torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
@@ -56,12 +56,12 @@ def pending_hlo_text(tensors: Sequence[torch.Tensor]) -> str:
 
 
 def is_xla_tensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` lives on an XLA device."""
+    """Whether `tensor` lives on an XLA device."""
     return tensor.device.type == "xla"
 
 
 def xla_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
-    """The distinct XLA devices among ``tensors``, in first-seen order."""
+    """The distinct XLA devices among `tensors`, in first-seen order."""
     seen: dict[torch.device, None] = {}
     for tensor in tensors:
         if is_xla_tensor(tensor):
@@ -99,12 +99,12 @@ def is_device_data(tensor: torch.Tensor) -> bool:
 
 
 def while_loop(body: Callable[..., Any], init: Any, xs: Any, *, reverse: bool = False) -> Any:
-    """torch_xla's scan lowering (an XLA While loop of ``body``, traced once).
+    """torch_xla's scan lowering (an XLA While loop of `body`, traced once).
 
     torch_xla traces the body on placeholder tensors with no data, and a sync that finds one
     still alive crashes the process (torch_xla 2.9: a segmentation fault). An error raised
     while tracing holds them in its traceback's frames for as long as anyone keeps the error
-    (a ``pytest.raises``, a logger), so it leaves without those frames: its traceback as text
+    (a `pytest.raises`, a logger), so it leaves without those frames: its traceback as text
     in its notes, where it did not come from xla_wrap."""
     from torch_xla.experimental.scan import _scan_impl_pytree
 
@@ -134,7 +134,7 @@ def _add_note(error: BaseException, note: str) -> None:
 
 @functools.cache
 def layer_slice_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """``take(stack, i)`` (layer ``i``'s slice) and ``overwrite(stack, value, i)`` (the stack
+    """`take(stack, i)` (layer `i`'s slice) and `overwrite(stack, value, i)` (the stack
     with that slice replaced) for a scalar index tensor: XLA DynamicSlice and
     DynamicUpdateSlice, which torch's indexing does not lower to."""
     import torch_xla.core.xla_op_registry as xor
@@ -147,13 +147,13 @@ def layer_slice_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.
 
 
 def spmd_active() -> bool:
-    """Whether torch_xla runs this process in SPMD mode (``torch_xla.runtime.use_spmd()``)."""
+    """Whether torch_xla runs this process in SPMD mode (`torch_xla.runtime.use_spmd()`)."""
     runtime = loaded("torch_xla.runtime")
     return runtime is not None and bool(runtime.is_spmd())
 
 
 def in_gradient_accumulation_loop() -> bool:
-    """Whether the calling code runs inside the body of torch_xla's ``gradient_accumulation``
+    """Whether the calling code runs inside the body of torch_xla's `gradient_accumulation`
     (its XLA While loop gives each iteration a seed of its own, as an input of the traced body
     that no host-side seed can stand for)."""
     module = loaded("torch_xla.experimental.gradient_accumulation")
@@ -171,9 +171,9 @@ def in_gradient_accumulation_loop() -> bool:
 def checkpoint_backward_status() -> Iterator[None]:
     """Tell XLA FSDP that a checkpointed block is being recomputed in backward.
 
-    XLA FSDP reads ``torch_xla.utils.checkpoint.chkpt_status.in_chkpt_bwd`` to skip resharding
+    XLA FSDP reads `torch_xla.utils.checkpoint.chkpt_status.in_chkpt_bwd` to skip resharding
     parameters it is about to gather again. torch_xla's own checkpoint sets it and never resets
-    it on error; here the previous value comes back in ``finally``.
+    it on error; here the previous value comes back in `finally`.
     """
     module = loaded("torch_xla.utils.checkpoint")
     status = getattr(module, "chkpt_status", None)
@@ -189,7 +189,7 @@ def checkpoint_backward_status() -> Iterator[None]:
 
 
 def xla_fsdp_class() -> type:
-    """torch_xla's ``XlaFullyShardedDataParallel`` (imported on request: FSDP helpers only)."""
+    """torch_xla's `XlaFullyShardedDataParallel` (imported on request: FSDP helpers only)."""
     try:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
     except ImportError:

@@ -11,7 +11,7 @@ from .runtime import is_xla_tensor, loaded
 
 
 def sharding(tensor: torch.Tensor) -> object | None:
-    """The SPMD sharding annotation of an XLA tensor (torch_xla's ``OpSharding``), or None
+    """The SPMD sharding annotation of an XLA tensor (torch_xla's `OpSharding`), or None
     when the tensor has none that Python can see."""
     torch_xla = loaded("torch_xla")
     if torch_xla is None or not is_xla_tensor(tensor):
@@ -22,7 +22,7 @@ def sharding(tensor: torch.Tensor) -> object | None:
 
 
 def shard_like(tensor: torch.Tensor, op_sharding: object) -> None:
-    """Annotate the XLA ``tensor`` with ``op_sharding`` (from :func:`sharding`), in place."""
+    """Annotate the XLA `tensor` with `op_sharding` (from `sharding()`), in place."""
     torch_xla = loaded("torch_xla")
     assert torch_xla is not None
     torch_xla._XLAC._xla_mark_sharding(tensor, op_sharding)
@@ -46,9 +46,9 @@ def sharding_spec(tensor: torch.Tensor) -> str:
 
 
 def shard_by_spec(tensor: torch.Tensor, spec: str, *, leading: int = 0) -> bool:
-    """Annotate the XLA ``tensor`` with the tiled sharding ``spec`` (from
-    :func:`sharding_spec`), after ``leading`` new replicated dimensions (a stack of tensors
-    sharded as ``spec``). Returns False, annotating nothing, for a spec that is not tiled."""
+    """Annotate the XLA `tensor` with the tiled sharding `spec` (from
+    `sharding_spec()`), after `leading` new replicated dimensions (a stack of tensors
+    sharded as `spec`). Returns False, annotating nothing, for a spec that is not tiled."""
     tiling = tiled_sharding(spec)
     if tiling is None:
         if spec and not spec.startswith(("{replicated", "{maximal", "{manual")):
