@@ -262,9 +262,12 @@ def by_param_count(min_params: int, max_params: int | None = None) -> WrapPolicy
         >>> [name for name, _ in wp.by_param_count(100, max_params=300).select(model)]
         ['0', '2']
     """
-    for label, value in (("min_params", min_params), ("max_params", max_params)):
-        # min_params has no "no bound" value: None would only fail later, inside select().
-        if (value is not None or label == "min_params") and (not is_int(value) or value < 0):
+    # Only the upper bound may be absent: a None minimum would fail later, inside select().
+    bounds = {"min_params": min_params}
+    if max_params is not None:
+        bounds["max_params"] = max_params
+    for label, value in bounds.items():
+        if not is_int(value) or value < 0:
             raise CheckpointValueError(
                 "xla_wrap.wrap_policies.by_param_count: expected a non-negative int as "
                 f"`{label}`, got {describe(value)}."

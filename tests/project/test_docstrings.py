@@ -161,7 +161,7 @@ def _docstring_examples() -> Iterator[doctest.DocTest]:
     seen: set[str] = set()
     for module_path in PUBLIC_MODULES:
         module = importlib.import_module(module_path)
-        for name in [*getattr(module, "__all__", []), None]:
+        for name in [*module.__all__, None]:
             obj = module if name is None else getattr(module, name)
             for test in finder.find(obj, f"{module_path}.{name}" if name else module_path):
                 key = f"{test.filename}:{test.lineno}"
