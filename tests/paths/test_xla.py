@@ -159,6 +159,60 @@ def test_backward_barrier_ties_inputs_gradients_and_parameters(
     assert used.count(f"f32[{BATCH},{WIDTH}]") == 2 and f"f32[{WIDTH},{WIDTH}]" in used
 
 
+def _made_by_the_barrier(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s lazy value is an output of an optimization barrier (its IR's root)."""
+    import torch_xla
+
+    root = torch_xla._XLAC._get_xla_tensors_text([tensor]).strip().splitlines()[-2]
+    return "xla::optimization_barrier(" in root
+
+
+class _Watched(nn.Module):
+    """A block that reports, in its recomputation, whether the input, parameters and buffer it
+    reads are barrier outputs, and in backward whether its output's gradient is one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("scale", torch.full((WIDTH,), 0.5))
+        self.seen: dict[str, bool] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if xla_wrap.is_recomputing():
+            self.seen["input"] = _made_by_the_barrier(x)
+            self.seen["weight"] = _made_by_the_barrier(self.linear.weight)
+            self.seen["bias"] = _made_by_the_barrier(self.linear.bias)
+            self.seen["buffer"] = _made_by_the_barrier(self.scale)
+        y = torch.tanh(self.linear(x)) * self.scale
+        if not xla_wrap.is_recomputing():
+            y.register_hook(lambda g: self.seen.__setitem__("gradient", _made_by_the_barrier(g)))
+        return y
+
+
+def test_the_recomputation_reads_only_barrier_outputs(xla_device: torch.device) -> None:
+    """Engine rule 1: what the recomputation starts from (the saved input, the parameters and
+    buffers) are outputs of the backward barrier, not the values the forward read; read before
+    the barrier, XLA would merge the recomputation back into the forward."""
+    torch.manual_seed(0)
+    block = _Watched().to(xla_device)
+    x = torch.randn(BATCH, WIDTH, device=xla_device, requires_grad=True)
+    assert not _made_by_the_barrier(x)  # the check can tell
+    xla_wrap.checkpoint(block, x).sum().backward()
+    assert {k: block.seen[k] for k in ("input", "weight", "bias", "buffer")} == dict.fromkeys(
+        ("input", "weight", "bias", "buffer"), True
+    )
+
+
+def test_the_block_backward_reads_the_barriered_gradient(xla_device: torch.device) -> None:
+    """Engine rule 1: the gradient handed to the block's own backward is the barrier's output,
+    so the block's backward cannot start before the barrier either."""
+    torch.manual_seed(0)
+    block = _Watched().to(xla_device)
+    x = torch.randn(BATCH, WIDTH, device=xla_device, requires_grad=True)
+    (xla_wrap.checkpoint(block, x) * 3).sum().backward()
+    assert block.seen["gradient"] is True
+
+
 def test_optimization_barrier_before_the_loss_leaves_training_unchanged(
     xla_device: torch.device,
 ) -> None:
