@@ -29,13 +29,10 @@ from models import (
 )
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_wrapped_model_gives_same_loss_and_gradients_with_dropout(
-    device: torch.device, use_reentrant: bool
-) -> None:
+def test_wrapped_model_gives_same_loss_and_gradients_with_dropout(device: torch.device) -> None:
     torch.manual_seed(0)
     model = Stack().to(device)
-    twin = wrapped_copy(model, functools.partial(wrap_blocks, use_reentrant=use_reentrant))
+    twin = wrapped_copy(model, wrap_blocks)
     expected = train_step(model, device, seed=7)
     got = train_step(twin, device, seed=7)
     assert_same(expected, got, device)
@@ -128,15 +125,12 @@ def _leaves(value: Any) -> list[Any]:
     return [value]
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @settings(max_examples=40, deadline=None)
 @given(args=st.lists(_tree, max_size=3), kwargs=st.dictionaries(st.sampled_from(["x", "y"]), _tree))
-def test_nested_arguments_and_outputs_match_unwrapped(
-    args: list[Any], kwargs: dict, use_reentrant: bool
-) -> None:
+def test_nested_arguments_and_outputs_match_unwrapped(args: list[Any], kwargs: dict) -> None:
     torch.manual_seed(0)
     block = TreeBlock()
-    wrapped = xla_wrap.checkpoint_wrapper(block, use_reentrant=use_reentrant)
+    wrapped = xla_wrap.checkpoint_wrapper(block)
 
     def run(module: nn.Module) -> tuple[Any, list[torch.Tensor | None]]:
         counter = [0]
@@ -194,10 +188,7 @@ def test_block_whose_inputs_need_no_grad_still_trains_its_parameters() -> None:
         ),
     ],
 )
-@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_checkpoint_finds_parameters_of_module_method_and_partial(
-    make_function: Any, reentrant: bool
-) -> None:
+def test_checkpoint_finds_parameters_of_module_method_and_partial(make_function: Any) -> None:
     torch.manual_seed(0)
     block = Block()
     x = torch.randn(BATCH, WIDTH)
@@ -206,22 +197,12 @@ def test_checkpoint_finds_parameters_of_module_method_and_partial(
     expected = [p.grad.clone() for p in block.parameters()]
     block.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    seen: list[list[int]] = []
-    # The parameters are found (so they join the barrier): the recomputation reads the
-    # barriered copies in the parameters' slots, not the parameters themselves.
-    block.linear.register_forward_pre_hook(
-        lambda m, _: seen.append([id(m.weight), id(m.bias)]) if xla_wrap.is_recomputing() else None
-    )
-    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0, use_reentrant=reentrant)
-    if reentrant:
-        # The parameters are explicit inputs of the reentrant gate: its backward node leads
-        # straight to their gradient accumulators.
-        accumulated = {
-            id(node.variable) for node, _ in y.grad_fn.next_functions if hasattr(node, "variable")
-        }
-        assert accumulated == {id(p) for p in block.parameters()}
+    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0)
+    # The block's parameters are found, so they join the barrier (on XLA:
+    # tests/paths/test_xla.py::test_backward_barrier_ties_inputs_gradients_and_parameters).
+    owners = y.grad_fn.record.call.owners  # the gate's record of the call
+    assert [id(p) for p in owners.params] == [id(p) for p in block.parameters()]
     y.sum().backward()
-    assert len(seen) == 1 and not set(seen[0]) & {id(block.linear.weight), id(block.linear.bias)}
     for a, p in zip(expected, block.parameters(), strict=True):
         assert torch.equal(a, p.grad)
 
@@ -257,17 +238,18 @@ def test_no_grad_runs_a_plain_forward_once() -> None:
             return self.linear(x)
 
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    for reentrant, with_graph in ((True, [False, True]), (False, [True, True])):
-        wrapped = xla_wrap.checkpoint_wrapper(xla_wrap.unwrap(Counting()), use_reentrant=reentrant)
+    for use_reentrant in (True, False):  # PyTorch's keyword changes nothing
+        wrapped = xla_wrap.checkpoint_wrapper(
+            xla_wrap.unwrap(Counting()), use_reentrant=use_reentrant
+        )
         calls.clear()
         with torch.no_grad():
             y = wrapped(x)
         assert y.grad_fn is None and calls == [False]
         calls.clear()
         wrapped(x).sum().backward()
-        # The reentrant forward runs without a graph, the non-reentrant one records it (with
-        # placeholders); both recompute with one.
-        assert calls == with_graph
+        # The forward records the block's graph (with placeholders); the recomputation too.
+        assert calls == [True, True]
 
 
 def test_is_recomputing_is_true_only_inside_the_recomputation_and_per_thread() -> None:
@@ -346,31 +328,33 @@ def test_batchnorm_running_statistics_update_once() -> None:
     assert int(wrapped[1].num_batches_tracked) == 1
 
 
-def test_recomputation_with_a_different_structure_is_refused() -> None:
-    def function(x: torch.Tensor) -> Any:
-        return (x * 2, x * 3) if xla_wrap.is_recomputing() else [x * 2, x * 3]
-
-    # The reentrant engine checks the outputs (the non-reentrant one, what its graph saved:
-    # tests/core/test_nonreentrant.py).
-    out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True), use_reentrant=True)
-    with pytest.raises(xla_wrap.CheckpointError, match=r"^xla_wrap.checkpoint: the recomputation"):
-        sum(o.sum() for o in out).backward()
-
-
 def test_recomputation_with_a_different_shape_is_refused() -> None:
     def function(x: torch.Tensor) -> torch.Tensor:
-        return x[:2] if xla_wrap.is_recomputing() else x * 1
+        return x[:2].sin() if xla_wrap.is_recomputing() else x.sin()
 
-    out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True), use_reentrant=True)
-    with pytest.raises(xla_wrap.CheckpointError, match=r"shape=\(2,\).*shape=\(3,\)"):
+    out = xla_wrap.checkpoint(function, torch.randn(3, requires_grad=True))
+    with pytest.raises(
+        xla_wrap.CheckpointError, match=r"^xla_wrap.checkpoint: .*shape=\(2,\).*shape=\(3,\)"
+    ):
         out.sum().backward()
 
 
-def test_autograd_grad_through_the_reentrant_engine_gets_a_clear_error() -> None:
-    x = torch.randn(3, requires_grad=True)
-    y = xla_wrap.checkpoint(lambda t: t.sin(), x, use_reentrant=True)
-    with pytest.raises(xla_wrap.CheckpointError, match=r"use_reentrant=False.*loss.backward\(\)"):
-        torch.autograd.grad(y.sum(), x)
+@pytest.mark.parametrize("use_reentrant", [True, False, None])
+def test_use_reentrant_is_accepted_and_runs_the_one_engine(use_reentrant: bool | None) -> None:
+    """PyTorch's keyword, which FairScale, torch_xla and older code pass: every value runs the
+    same engine, so `torch.autograd.grad`, save policies and double backward work with
+    `use_reentrant=True` too, with the unwrapped model's gradients."""
+    torch.manual_seed(0)
+    linear = nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    expected = torch.autograd.grad(linear(x).tanh().sum(), (x, linear.weight))
+    y = xla_wrap.checkpoint(linear, x, use_reentrant=use_reentrant, policy="dots_saveable")
+    assert type(y.grad_fn).__name__ == "TanhBackward0" or y.grad_fn is not None
+    got = torch.autograd.grad(y.tanh().sum(), (x, linear.weight))
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    wrapped = xla_wrap.checkpoint_wrapper(nn.Linear(WIDTH, WIDTH), use_reentrant=use_reentrant)
+    assert wrapped.checkpoint_options == xla_wrap.CheckpointOptions()
 
 
 def test_checkpoint_sequential_matches_plain_sequential() -> None:
@@ -584,17 +568,16 @@ class ScaleUpdatedThroughData(ReadsScale):
         return out
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize(
     "change",
     ["in place before backward", "through .data before backward", "replaced before backward"],
 )
 def test_a_buffer_changed_after_the_forward_is_recomputed_as_the_forward_read_it(
-    use_reentrant: bool, change: str
+    change: str,
 ) -> None:
     torch.manual_seed(0)
     plain = ReadsScale()
-    block = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain), use_reentrant=use_reentrant)
+    block = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain))
     x = torch.randn(BATCH, WIDTH)
     plain(x).sum().backward()
     loss = block(x).sum()
@@ -608,13 +591,10 @@ def test_a_buffer_changed_after_the_forward_is_recomputed_as_the_forward_read_it
     assert torch.equal(block.linear.weight.grad, plain.linear.weight.grad)
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_a_buffer_the_forward_updates_through_data_is_recomputed_as_read(
-    use_reentrant: bool,
-) -> None:
+def test_a_buffer_the_forward_updates_through_data_is_recomputed_as_read() -> None:
     torch.manual_seed(0)
     plain = ScaleUpdatedThroughData()
-    block = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain), use_reentrant=use_reentrant)
+    block = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain))
     x = torch.randn(BATCH, WIDTH)
     plain(x).sum().backward()
     block(x).sum().backward()
@@ -622,22 +602,16 @@ def test_a_buffer_the_forward_updates_through_data_is_recomputed_as_read(
     assert torch.equal(block.scale, plain.scale)  # updated once, by the forward
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_a_buffer_a_hook_updates_between_two_calls_is_recomputed_as_each_call_read_it(
-    use_reentrant: bool,
-) -> None:
+def test_a_buffer_a_hook_updates_between_two_calls_is_recomputed_as_each_call_read_it() -> None:
     # spectral_norm's pre-hook runs a power iteration on its `weight_u` buffer before every
     # call: a GAN discriminator called on real and fake data, then one backward.
     torch.manual_seed(0)
     plain = nn.utils.spectral_norm(nn.Linear(WIDTH, WIDTH))
-    wrapped = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain), use_reentrant=use_reentrant)
+    wrapped = xla_wrap.checkpoint_wrapper(copy.deepcopy(plain))
     real, fake = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for module in (plain, wrapped):
         (module(real).tanh().sum() - module(fake).tanh().sum()).backward()
-    if use_reentrant:  # it accumulates the two calls' gradients in another order
-        torch.testing.assert_close(wrapped.weight_orig.grad, plain.weight_orig.grad)
-    else:
-        assert torch.equal(wrapped.weight_orig.grad, plain.weight_orig.grad)
+    assert torch.equal(wrapped.weight_orig.grad, plain.weight_orig.grad)
     assert torch.equal(wrapped.weight_u, plain.weight_u)
 
 
@@ -660,15 +634,12 @@ class ScaledByAHook(nn.Module):
         return (x * self.scale).sin()
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_a_tensor_a_hook_sets_per_call_is_recomputed_as_each_call_saw_it(
-    use_reentrant: bool,
-) -> None:
+def test_a_tensor_a_hook_sets_per_call_is_recomputed_as_each_call_saw_it() -> None:
     torch.manual_seed(0)
     first, second = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     plain = ScaledByAHook()
     (plain(first).sum() + plain(second).sum()).backward()
-    wrapped = xla_wrap.checkpoint_wrapper(ScaledByAHook(), use_reentrant=use_reentrant)
+    wrapped = xla_wrap.checkpoint_wrapper(ScaledByAHook())
     (wrapped(first).sum() + wrapped(second).sum()).backward()
     assert torch.equal(wrapped.p.grad, plain.p.grad)
 
@@ -684,12 +655,11 @@ class AddsShift(nn.Module):
         return (self.linear(x) + self.shift).sin()
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_a_buffer_made_in_inference_mode_is_read_like_any_other(use_reentrant: bool) -> None:
+def test_a_buffer_made_in_inference_mode_is_read_like_any_other() -> None:
     torch.manual_seed(0)
     plain = AddsShift()
     torch.manual_seed(0)
-    block = xla_wrap.checkpoint_wrapper(AddsShift(), use_reentrant=use_reentrant)
+    block = xla_wrap.checkpoint_wrapper(AddsShift())
     assert block.shift.is_inference()
     x = torch.randn(BATCH, WIDTH)
     plain(x).sum().backward()

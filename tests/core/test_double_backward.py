@@ -191,21 +191,18 @@ def test_the_forward_runs_once_more_and_no_more(step: Step) -> None:
     assert [block.calls for block in model.blocks] == [2, 2, 2]
 
 
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
-@pytest.mark.parametrize("call", ["backward", "autograd.grad"])
-def test_the_reentrant_engine_refuses_and_names_the_engine_that_supports_it(call: str) -> None:
+def test_use_reentrant_true_gives_second_derivatives_too() -> None:
+    """PyTorch's reentrant engine refuses double backward; xla_wrap's one engine runs for
+    every value of the keyword, so code that passes `use_reentrant=True` gets them."""
+    torch.manual_seed(0)
     linear = nn.Linear(WIDTH, WIDTH)
     x = _input(torch.device("cpu"))
-    loss = xla_wrap.checkpoint(linear, x, use_reentrant=True).tanh().sum()
-    # Before the engine's refusal of `torch.autograd.grad`, which would name another problem.
-    with pytest.raises(xla_wrap.CheckpointError, match=r"double backward .*use_reentrant=False"):
-        if call == "backward":
-            loss.backward(create_graph=True)
-        else:
-            torch.autograd.grad(loss, x, create_graph=True)
-    # A plain backward of the same kind of call still works.
-    xla_wrap.checkpoint(linear, x, use_reentrant=True).tanh().sum().backward()
-    assert x.grad is not None
+    results = []
+    for run in (linear, lambda t: xla_wrap.checkpoint(linear, t, use_reentrant=True)):
+        (g,) = torch.autograd.grad(run(x).tanh().sum(), x, create_graph=True)
+        results.append(torch.autograd.grad(g.pow(2).sum(), (x, linear.weight)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.xla

@@ -26,7 +26,6 @@ WORKER = WORKERS / "offload_hlo.py"
 
 OFFLOADS = {
     "offload_to_cpu": {"offload_to_cpu": True},
-    "offload_to_cpu-reentrant": {"offload_to_cpu": True, "use_reentrant": True},
     "offload-policy": {
         "policy": lambda op: cp.Decision.OFFLOAD if op.function == "linear" else False
     },
@@ -52,12 +51,11 @@ def test_annotations_in_the_hlo_a_tpu_or_gpu_would_get_feed_the_barrier() -> Non
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     # The block's input (offload_to_cpu) or the tagged hidden value (the policy) goes to the
     # host in the forward and comes back, into the barrier, in backward.
-    for label in ("offload_to_cpu", "offload_to_cpu-reentrant"):
-        assert results[label] == {
-            "to_host": [f"f32[4,{WIDTH}]"],
-            "to_device": [f"f32[4,{WIDTH}]"],
-            "barriered": True,
-        }, label
+    assert results["offload_to_cpu"] == {
+        "to_host": [f"f32[4,{WIDTH}]"],
+        "to_device": [f"f32[4,{WIDTH}]"],
+        "barriered": True,
+    }
     assert results["offload_these_names"] == {
         "to_host": [f"f32[4,{4 * WIDTH}]"],
         "to_device": [f"f32[4,{4 * WIDTH}]"],
@@ -95,14 +93,13 @@ def test_cuda_saved_inputs_wait_in_pinned_host_memory() -> None:
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5), nn.Tanh()).cuda()
     x = torch.randn(BATCH, WIDTH, device="cuda", requires_grad=True)
-    for use_reentrant in (True, False):
-        y = xla_wrap.checkpoint(block, x, offload_to_cpu=True, use_reentrant=use_reentrant)
-        saved = y.grad_fn.saved_tensors
-        assert saved and all(t.device.type == "cpu" and t.is_pinned() for t in saved)
-        torch.manual_seed(1)
-        y = xla_wrap.checkpoint(block, x, offload_to_cpu=True, use_reentrant=use_reentrant)
-        (got,) = torch.autograd.grad(y.sum(), x)
-        torch.manual_seed(1)
-        (expected,) = torch.autograd.grad(block(x).sum(), x)
-        sync(x.device)
-        assert torch.equal(got, expected)
+    y = xla_wrap.checkpoint(block, x, offload_to_cpu=True)
+    saved = y.grad_fn.saved_tensors
+    assert saved and all(t.device.type == "cpu" and t.is_pinned() for t in saved)
+    torch.manual_seed(1)
+    y = xla_wrap.checkpoint(block, x, offload_to_cpu=True)
+    (got,) = torch.autograd.grad(y.sum(), x)
+    torch.manual_seed(1)
+    (expected,) = torch.autograd.grad(block(x).sum(), x)
+    sync(x.device)
+    assert torch.equal(got, expected)

@@ -135,21 +135,20 @@ class _Counted(nn.Module):
         return torch.tanh(self.linear(x))
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize(
     "container",
     [lambda layers: nn.Sequential(*layers), nn.ModuleList, list],
     ids=["Sequential", "ModuleList", "list"],
 )
 def test_checkpoint_sequential_reruns_the_checkpointed_segments_only(
-    container: Callable[[Any], Any], use_reentrant: bool
+    container: Callable[[Any], Any],
 ) -> None:
     # test_checkpoint_trigger, test_checkpoint and test_checkpoint_module_list.
     torch.manual_seed(0)
     layers = [_Counted() for _ in range(10)]
     plain = nn.Sequential(*copy.deepcopy(layers))
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
-    out = xla_wrap.checkpoint_sequential(container(layers), 2, x, use_reentrant=use_reentrant)
+    out = xla_wrap.checkpoint_sequential(container(layers), 2, x)
     assert [layer.calls for layer in layers] == [1] * 10
     out.sum().backward()
     assert [layer.calls for layer in layers] == [2] * 5 + [1] * 5
@@ -167,10 +166,7 @@ def test_a_call_without_tensors_returns_its_values() -> None:
         assert xla_wrap.checkpoint(lambda a, b: (a + b, str(a)), 2, b=3) == (5, "2")
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_without_rng_preservation_dropout_draws_anew_in_the_recomputation(
-    use_reentrant: bool,
-) -> None:
+def test_without_rng_preservation_dropout_draws_anew_in_the_recomputation() -> None:
     # test_checkpoint_not_preserve_rng_state_and_without_reentrant: it runs; here also, the
     # option does what it says (the recomputation's mask differs, and so does the gradient).
     torch.manual_seed(0)
@@ -180,7 +176,7 @@ def test_without_rng_preservation_dropout_draws_anew_in_the_recomputation(
         x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
         x.requires_grad_()
         torch.manual_seed(5)
-        y = xla_wrap.checkpoint(block, x, preserve_rng_state=preserve, use_reentrant=use_reentrant)
+        y = xla_wrap.checkpoint(block, x, preserve_rng_state=preserve)
         y.sum().backward()
         grads.append(x.grad)
     x_plain = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
@@ -206,14 +202,13 @@ class _Cube(torch.autograd.Function):
         return grad * 3 * square
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_a_custom_autograd_function_inside_a_block(use_reentrant: bool) -> None:
+def test_a_custom_autograd_function_inside_a_block() -> None:
     # test_checkpointing_without_reentrant_custom_function_works.
     def block(x: torch.Tensor) -> torch.Tensor:
         return _Cube.apply(x.sin()).cos()
 
     x = torch.linspace(-1, 1, 6, requires_grad=True)
-    xla_wrap.checkpoint(block, x, use_reentrant=use_reentrant).sum().backward()
+    xla_wrap.checkpoint(block, x).sum().backward()
     x_plain = x.detach().requires_grad_()
     block(x_plain).sum().backward()
     assert torch.equal(x.grad, x_plain.grad)
@@ -288,17 +283,14 @@ def test_a_hook_on_a_node_of_the_blocks_graph_fires_once() -> None:
     assert fired == [1]
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_non_tensor_outputs_and_backward_with_retain_graph(use_reentrant: bool) -> None:
+def test_non_tensor_outputs_and_backward_with_retain_graph() -> None:
     # test_checkpoint_non_tensor_inputs_outputs: an input returned as an output, non-tensor
     # outputs, three backwards with retain_graph, then the graph is gone.
     def block(scale: float, a: torch.Tensor, b: torch.Tensor) -> tuple[Any, ...]:
         return scale, a * b, b, "text"
 
     a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
-    scale, product, same_b, text = xla_wrap.checkpoint(
-        block, 2.0, a, b, use_reentrant=use_reentrant
-    )
+    scale, product, same_b, text = xla_wrap.checkpoint(block, 2.0, a, b)
     assert (scale, text) == (2.0, "text") and torch.equal(same_b, b)
     loss = (product + same_b).sum()
     for _ in range(3):

@@ -254,13 +254,6 @@ def test_recomputation_calling_other_functions_is_refused_naming_the_first() -> 
         ),
         (
             lambda: xla_wrap.checkpoint(
-                nn.Tanh(), torch.ones(2), policy=cp.dots_saveable, use_reentrant=True
-            ),
-            xla_wrap.CheckpointValueError,
-            r"needs the non-reentrant engine.*use_reentrant=False",
-        ),
-        (
-            lambda: xla_wrap.checkpoint(
                 nn.Tanh(), torch.ones(2, requires_grad=True), policy=lambda op: "yes"
             ),
             xla_wrap.CheckpointTypeError,
@@ -358,13 +351,10 @@ def test_a_policy_does_not_reach_into_a_nested_checkpoint() -> None:
     def inner(x: torch.Tensor) -> torch.Tensor:
         return xla_wrap.checkpoint_name(x.sin(), "inner")
 
-    for use_reentrant in (True, False):
-        seen.clear()
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        h = xla_wrap.checkpoint_name(x.cos(), "outer")
+        return xla_wrap.checkpoint(inner, h)
 
-        def outer(x: torch.Tensor, reentrant: bool = use_reentrant) -> torch.Tensor:
-            h = xla_wrap.checkpoint_name(x.cos(), "outer")
-            return xla_wrap.checkpoint(inner, h, use_reentrant=reentrant)
-
-        x = torch.randn(3, requires_grad=True)
-        xla_wrap.checkpoint(outer, x, policy=policy).sum().backward()
-        assert "outer" in seen and "inner" not in seen, use_reentrant
+    x = torch.randn(3, requires_grad=True)
+    xla_wrap.checkpoint(outer, x, policy=policy).sum().backward()
+    assert "outer" in seen and "inner" not in seen

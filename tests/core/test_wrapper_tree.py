@@ -175,15 +175,12 @@ def test_named_modules_keep_the_unwrapped_names_and_classes_and_yield_the_wrappe
     assert sum(isinstance(m, xla_wrap.CheckpointWrapper) for m in model.modules()) == 4
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_object_setattr_of_a_popped_parameter_is_what_the_forward_then_uses(
-    use_reentrant: bool,
-) -> None:
+def test_object_setattr_of_a_popped_parameter_is_what_the_forward_then_uses() -> None:
     """torch_xla's FSDP pops ``weight`` from a module's ``_parameters`` and puts the full tensor
     back with ``object.__setattr__``: the wrapped module's forward (and its recomputation) then
     reads that tensor, and the gradient reaches it."""
     torch.manual_seed(0)
-    wrapped = xla_wrap.checkpoint_wrapper(nn.Linear(WIDTH, 3), use_reentrant=use_reentrant)
+    wrapped = xla_wrap.checkpoint_wrapper(nn.Linear(WIDTH, 3))
     weight = torch.randn(3, WIDTH, requires_grad=True)
     wrapped._parameters.pop("weight")
     object.__setattr__(wrapped, "weight", weight)

@@ -36,12 +36,8 @@ def _per_block(order: str) -> Callable[[Net, torch.device], nn.Module]:
                 "plain": lambda b: FSDP(b),
                 "fsdp(checkpoint)": lambda b: FSDP(xla_wrap.checkpoint_wrapper(b)),
                 "checkpoint(fsdp)": lambda b: xla_wrap.checkpoint_wrapper(FSDP(b)),
-                # the default engine above recomputes inside FSDP's own forward, the order
-                # where stopping the recomputation early would break FSDP's state machine;
-                # the reentrant engine recomputes the whole unit
-                "checkpoint(fsdp) reentrant": lambda b: xla_wrap.checkpoint_wrapper(
-                    FSDP(b), use_reentrant=True
-                ),
+                # recomputes inside FSDP's own forward, the order where stopping the
+                # recomputation early would break FSDP's state machine (engine Rule 5)
             }[order](block)
         return FSDP(net.to(device))
 
@@ -98,11 +94,6 @@ def reference(xla_device: torch.device) -> dict[str, tuple]:
     [
         ("FSDP(checkpoint_wrapper(block))", _per_block("fsdp(checkpoint)"), "per-block"),
         ("checkpoint_wrapper(FSDP(block))", _per_block("checkpoint(fsdp)"), "per-block"),
-        (
-            "checkpoint_wrapper(FSDP(block), use_reentrant=True)",
-            _per_block("checkpoint(fsdp) reentrant"),
-            "per-block",
-        ),
         ("auto_wrap_policy + auto_wrapper_callable", _auto(checkpointed=True), "auto"),
     ],
 )

@@ -39,8 +39,6 @@ TIMEOUT_S = 120  # for both processes together; a hung gloo collective must not 
 WORKING = {
     "fsdp2: fully_shard(checkpoint_wrapper(block))": "fsdp2 reference",
     "fsdp2: checkpoint_wrapper(fully_shard(block))": "fsdp2 reference",
-    "fsdp2: fully_shard(checkpoint_wrapper(block, use_reentrant=True))": "fsdp2 reference",
-    "fsdp1: apply_activation_checkpointing(use_reentrant=True) after FSDP": "fsdp1 reference",
     "fsdp2: apply_activation_checkpointing after fully_shard": "fsdp2 reference",
     "fsdp1: apply_activation_checkpointing after FSDP": "fsdp1 reference",
     "fsdp1 use_orig_params: apply_activation_checkpointing after FSDP": (

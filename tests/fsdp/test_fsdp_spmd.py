@@ -18,7 +18,6 @@ pytestmark = pytest.mark.xla
 WORKER = WORKERS / "spmd_fsdp.py"
 CHECKPOINTED = [
     "fsdp(checkpoint) helper",
-    "fsdp(checkpoint) helper reentrant",
     "checkpoint(fsdp)",
     "fsdp(checkpoint) by hand",
 ]
@@ -62,17 +61,6 @@ def test_spmd_fsdp_recomputes_every_block_exactly_once(results: dict[str, Any], 
 @pytest.mark.parametrize("name", ["plain", *CHECKPOINTED])
 def test_spmd_step_compiles_once(results: dict[str, Any], name: str) -> None:
     assert _ok(results, name)["recompiles"] == 0
-
-
-def test_spmd_reentrant_engine_compiles_to_the_default_helpers_program(
-    results: dict[str, Any],
-) -> None:
-    # Same loss, gradients and recomputation count (tests above), and not one instruction of
-    # difference: XLA took its program from the cache the default (non-reentrant) helper's
-    # run filled.
-    assert _ok(results, "fsdp(checkpoint) helper")["compiled"] is True
-    assert _ok(results, "fsdp(checkpoint) helper reentrant")["compiled"] is False
-    assert _ok(results, "fsdp(checkpoint) helper reentrant")["warnings"] == []
 
 
 def test_spmd_checkpoint_copies_program_inputs_so_the_next_step_compiles_nothing(

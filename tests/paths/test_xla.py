@@ -128,20 +128,21 @@ def test_user_seed_set_after_backward_is_kept(xla_device: torch.device) -> None:
         pytest.param(lambda block: block, id="module"),
         pytest.param(lambda block: block.forward, id="bound-method"),
         pytest.param(lambda block: functools.partial(block.__call__), id="partial"),
+        pytest.param(
+            lambda block: functools.partial(type(block).forward, block), id="unbound-method"
+        ),
     ],
 )
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_backward_barrier_ties_inputs_gradients_and_parameters(
     xla_device: torch.device,
     make_function: Callable[[nn.Module], Callable[..., torch.Tensor]],
-    use_reentrant: bool,
 ) -> None:
     import torch_xla
 
     torch.manual_seed(0)
     block = Block().to(xla_device)
     x = torch.randn(BATCH, WIDTH, device=xla_device, requires_grad=True)
-    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0, use_reentrant=use_reentrant)
+    y = xla_wrap.checkpoint(make_function(block), x, scale=2.0)
     forward_hlo = introspect.pending_hlo([y])
     y.sum().backward()
     hlo = introspect.pending_hlo([block.linear.weight.grad, x.grad])

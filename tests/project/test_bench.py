@@ -130,7 +130,7 @@ def test_the_save_policy_and_scan_run_on_the_transformer_and_comparisons_on_requ
 
     default = DEFAULT_VARIANTS.split(",")
     assert "xla_wrap dots_saveable" in default and "xla_wrap scan" in default
-    assert "xla_wrap reentrant" not in default and "torch_xla scan_layers" not in default
+    assert "torch_xla scan_layers" not in default
     for variant in ("xla_wrap dots_saveable", "xla_wrap scan"):
         assert variant in variants_for("transformer", default)
         assert variant not in variants_for("conv", default)
@@ -191,3 +191,30 @@ def test_the_compile_section_measures_every_variant_in_one_process(tmp_path: Pat
     assert dots["backward_matmuls"] == none["backward_matmuls"]
     assert ours["recompute_tags"] > 0 == none["recompute_tags"]
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in runs.values())
+
+
+def test_the_walk_through_one_checkpoint_counts_the_package_and_pytorch_functions() -> None:
+    """``xla_wrap.bench.walk`` on eager CPU: the step enters the wrapper's forward, and PyTorch's
+    count is taken over its own two files."""
+    from xla_wrap.bench.walk import PYTORCH, XLA_WRAP, render, walk
+
+    ours = walk("cpu", XLA_WRAP)
+    assert ours.files > 0 and ours.folders > 0 and ours.functions == len(ours.names) > 0
+    assert any(name.endswith(":CheckpointWrapper.forward") for name in ours.names)
+    assert not any(name.startswith("bench/") for name in ours.names)
+    pytorch = walk("cpu", PYTORCH)
+    assert pytorch.functions > 0 and pytorch.files <= 2
+    assert all(name.startswith("torch/") for name in pytorch.names)
+    assert render([ours, pytorch]).splitlines()[2].startswith("| xla_wrap.checkpoint_wrapper |")
+
+
+def test_the_host_times_of_the_three_variants_come_with_equal_gradients() -> None:
+    from xla_wrap.bench.host import VARIANTS, measure, render
+
+    threads = torch.get_num_threads()
+    times = measure(blocks=2, width=8, steps=3, warmup=1)
+    assert torch.get_num_threads() == threads  # put back
+    assert list(times.median_ms) == list(VARIANTS) and len(VARIANTS) == 3
+    assert all(ms > 0 for ms in times.median_ms.values())
+    assert times.grads_equal == {v: True for v in VARIANTS[1:]}
+    assert "gradients equal to unwrapped (bitwise)" in render([times])

@@ -17,7 +17,6 @@ composition, so a hang still reports the compositions before it.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -196,13 +195,6 @@ COMPOSITIONS: dict[str, Composition] = {
     "fsdp1 ModuleWrapPolicy reference": Composition(fsdp1("plain, ModuleWrapPolicy"), **FSDP1),
     "fsdp2: fully_shard(checkpoint_wrapper(block))": Composition(
         fsdp2_shard_checkpointed_blocks, **FSDP2
-    ),
-    # The reentrant engine, which is not the default, inside each unit of either FSDP.
-    "fsdp2: fully_shard(checkpoint_wrapper(block, use_reentrant=True))": Composition(
-        functools.partial(fsdp2_shard_checkpointed_blocks, use_reentrant=True), **FSDP2
-    ),
-    "fsdp1: apply_activation_checkpointing(use_reentrant=True) after FSDP": Composition(
-        fsdp1("checkpoint after wrapping", use_reentrant=True), **FSDP1
     ),
     "fsdp2: apply_activation_checkpointing after fully_shard": Composition(
         fsdp2_checkpoint_after_sharding, **FSDP2

@@ -59,7 +59,6 @@ def main() -> None:
     results = {}
     cases = {
         "offload_to_cpu": {"offload_to_cpu": True},
-        "offload_to_cpu-reentrant": {"offload_to_cpu": True, "use_reentrant": True},
         "offload_these_names": {"policy": cp.offload_these_names("h")},
     }
     for label, options in cases.items():

@@ -107,10 +107,6 @@ COMPOSITIONS: dict[str, Callable[[Net], nn.Module]] = {
     "plain": _auto(None),
     # The helper: FSDPv2(checkpoint_wrapper(block)), recording the unit's output sharding.
     "fsdp(checkpoint) helper": _auto(fsdp.auto_wrapper_callable(fsdp_class=FSDPv2)),
-    # The same with the reentrant engine, whose Function carries the recorded sharding.
-    "fsdp(checkpoint) helper reentrant": _auto(
-        fsdp.auto_wrapper_callable(fsdp_class=FSDPv2, use_reentrant=True)
-    ),
     "checkpoint(fsdp)": _auto(lambda m, *a, **k: xla_wrap.checkpoint_wrapper(FSDPv2(m, *a, **k))),
     # Written by hand, FSDPv2 shards the output where the checkpoint cannot see it.
     "fsdp(checkpoint) by hand": _auto(

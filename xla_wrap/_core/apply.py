@@ -67,7 +67,7 @@ def apply_activation_checkpointing(
             type; or a selected module is a unit of PyTorch's FSDP1.
         CheckpointValueError: If both `check_fn` and `auto_wrap_policy` are given, a wrap
             policy selects `model` itself or nothing in a model FSDP has wrapped, or the save
-            `policy` among the options is unknown or given with `use_reentrant=True`.
+            `policy` among the options is unknown.
 
     Examples:
         >>> import torch, xla_wrap

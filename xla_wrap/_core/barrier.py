@@ -8,7 +8,6 @@ barrier of their own in backward, so gradient computation cannot be fused across
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,28 +16,10 @@ from .. import _paths
 from .._support.errors import CheckpointTypeError, describe
 
 
-def barriered(
-    tensors: Sequence[torch.Tensor], *, in_place: Sequence[bool] | None = None
-) -> list[torch.Tensor]:
-    """Detached tensors equal to `tensors`, tied together by their execution path's barrier.
-
-    Off XLA they are plain `detach()` aliases: eager execution has nothing to reorder. On XLA
-    a tensor marked `in_place` shares its value with the caller's tensor, so later readers of
-    that tensor read the barrier's output too and XLA keeps no pre-barrier copy beside it; the
-    others are copies, which leave the caller's tensor (module state) untouched.
-
-    Args:
-        tensors: The tensors to tie together.
-        in_place: Per tensor, whether the caller's tensor may be rewritten; all False if omitted.
-    """
-    flags = [False] * len(tensors) if in_place is None else list(in_place)
-    return _paths.barrier(tensors, flags)
-
-
 class _Barrier(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(barriered(tensors))
+        return tuple(_paths.path_of(tensors).barrier(tensors, [False] * len(tensors)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -78,6 +59,6 @@ def optimization_barrier(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
                 f"xla_wrap.optimization_barrier: expected tensors, got {describe(tensor)} at "
                 f"position {index}. Pass only tensors, e.g. `out, = optimization_barrier(out)`."
             )
-    if not any(_paths.device_path(t.device).barriers for t in tensors):
+    if not _paths.path_of(tensors).barriers:
         return tuple(tensors)
     return tuple(_Barrier.apply(*tensors))

@@ -15,11 +15,9 @@ from .._support.checks import is_int
 from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
 from .._support.state import checkpointing_disabled
 from .._support.tree import Flat
+from . import engine
 from .module_tensors import ModuleTensors
-from .nonreentrant import run_nonreentrant
 from .options import CheckpointOptions, make_options, refuse_torch_only_keywords
-from .recompute import CheckpointCall
-from .reentrant import run_reentrant
 
 
 def run_checkpointed(
@@ -34,7 +32,12 @@ def run_checkpointed(
     """Run `function(*args, **kwargs)` as a checkpoint whose barrier also covers the
     parameters and buffers of `owners`. Outside autograd, with a policy that keeps
     everything, or under [`disable_checkpointing()`][xla_wrap.disable_checkpointing], it is a
-    plain call."""
+    plain call.
+
+    This is where every checkpoint starts, and where it branches, once, on `torch.compile`:
+    while Dynamo traces, the call becomes the compiler's own checkpoint (the compiler then
+    decides what to recompute); otherwise xla_wrap's engine runs it (xla_wrap/_core/engine.py).
+    """
     if (
         not torch.is_grad_enabled()
         or options.policy is cp.everything_saveable
@@ -51,14 +54,10 @@ def run_checkpointed(
             policy=options.policy,
             offload_to_cpu=options.offload_to_cpu,
         )
-    inputs = Flat.of((args, kwargs))
-    call = CheckpointCall(
+    call = engine.CheckpointCall(
         api=api, function=function, owners=ModuleTensors.of(owners), options=options
     )
-    _paths.warn_if_barriers_stripped((*inputs.tensors, *call.owners.params))
-    if options.use_reentrant:
-        return run_reentrant(call, inputs)
-    return run_nonreentrant(call, inputs)
+    return engine.run(call, Flat.of((args, kwargs)))
 
 
 def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[nn.Module]:
@@ -124,12 +123,12 @@ def checkpoint(
         *args: Positional arguments for `function`.
         preserve_rng_state: Replay the CPU, CUDA and XLA generators so that random ops
             (Dropout) draw the same numbers in the recomputation as in the forward.
-        use_reentrant: The engine (PyTorch's keyword). `False`: the block records its
-            graph but saves placeholders, recomputes them behind the barrier before its graph
-            runs, and stops once they exist; supports `torch.autograd.grad` and save
-            policies. `True`: the block runs without a graph and is recomputed and
-            differentiated inside its own backward; supports `loss.backward()` only.
-            `None` (default): non-reentrant (docs/policies.md says why).
+        use_reentrant: PyTorch's choice of engine, accepted for code written for it
+            (`True`, `False` or `None`) and without effect: xla_wrap has one engine, which
+            records the block's graph with placeholders for what it saves and recomputes
+            them behind the barrier before that graph runs in backward. It supports
+            everything PyTorch's reentrant engine does, and `torch.autograd.grad`, save
+            policies and double backward besides (docs/guide.md).
         policy: What to keep instead of recomputing: a function of
             [`xla_wrap.checkpoint_policies`][xla_wrap.checkpoint_policies] (or its name, like
             `"dots_saveable"`) or any callable taking an
@@ -149,10 +148,9 @@ def checkpoint(
             not a bool or `None`, or a keyword of `torch.utils.checkpoint.checkpoint` that
             xla_wrap lacks is given (`context_fn`, `determinism_check`, `debug`,
             `early_stop`).
-        CheckpointValueError: If `policy` is unknown or given with `use_reentrant=True`.
+        CheckpointValueError: If `policy` is unknown.
         CheckpointError: In backward, if the recomputation computes something else than the
-            forward did (the first different output or saved tensor is named), or if the
-            reentrant engine's backward was called through `torch.autograd.grad`.
+            forward did (the first different saved tensor or operation is named).
 
     Examples:
         >>> import torch, xla_wrap
@@ -222,7 +220,7 @@ def checkpoint_sequential(
             callable, `segments` is not an int, `use_reentrant` is not a bool or `None`, or
             `policy` is neither a policy name nor callable.
         CheckpointValueError: If `segments` is not between 1 and `len(functions)`, or the
-            save `policy` is unknown or given with `use_reentrant=True`.
+            save `policy` is unknown.
 
     Examples:
         >>> import torch, xla_wrap

@@ -1,6 +1,6 @@
 """Extension points of the checkpointing core for the compositions it knows nothing about.
 
-The wrapper, the two engines and `apply_activation_checkpointing` never ask which sharding
+The wrapper, the engine and `apply_activation_checkpointing` never ask which sharding
 framework runs around them. A composition that must act on checkpoints (refuse a module it
 owns, keep a sharding across the barrier) subclasses `CheckpointHook` and installs an
 instance once, at import: xla_wrap/_fsdp/units.py installs the FSDP, SPMD and XLA FSDP
@@ -22,6 +22,11 @@ from .._support.state import process
 class CheckpointHook:
     """What a composition adds to checkpointing. Every method does nothing by default."""
 
+    # The execution paths (`ExecutionPath.name`) on whose checkpoints `on_forward`,
+    # `on_gradient` and `replaying` run; None: every path. A checkpoint on another path never
+    # calls this hook.
+    device_types: frozenset[str] | None = None
+
     def check_module(self, api: str, module: nn.Module) -> None:
         """Raise if `module` must not be checkpointed; called before anything is wrapped."""
 
@@ -36,12 +41,9 @@ class CheckpointHook:
         `on_gradient()`."""
         return None
 
-    def on_gradient(
-        self, state: object, position: int, grad: torch.Tensor, output: torch.Tensor | None
-    ) -> None:
+    def on_gradient(self, state: object, position: int, grad: torch.Tensor) -> None:
         """Called with each output gradient after the barrier, before the block's backward
-        reads it: `position` indexes the forward's output tensors, `output` is the
-        recomputed output where the engine has it."""
+        reads it: `position` indexes the forward's output tensors."""
 
     def replaying(self) -> AbstractContextManager[None]:
         """A context entered around each recomputation (after the recomputing flag is set,

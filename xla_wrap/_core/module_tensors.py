@@ -41,31 +41,43 @@ class ModuleTensors:
 
     @classmethod
     def of(cls, modules: Iterable[nn.Module]) -> ModuleTensors:
-        found: dict[str, tuple[list[torch.Tensor], list[_Slot]]] = {
-            "_parameters": ([], []),
-            "_buffers": ([], []),
-        }
+        # Read at every checkpointed call (module state may change between calls), so walked
+        # through the modules' own dicts rather than `named_modules()`.
+        params: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        param_slots: list[_Slot] = []
+        buffer_slots: list[_Slot] = []
         index_of: dict[int, int] = {}
-        seen_modules: set[int] = set()
         attributes: list[tuple[dict[str, object], str, torch.Tensor]] = []
-        for root in modules:
-            for module in root.modules():
-                if id(module) in seen_modules:
-                    continue
-                seen_modules.add(id(module))
-                state = module.__dict__
-                attributes += [(state, k, v) for k, v in state.items() if _per_call(v)]
-                for kind, (tensors, slots) in found.items():
-                    holder: dict[str, torch.Tensor | None] = getattr(module, kind)
-                    for name, tensor in holder.items():
-                        if tensor is None:
-                            continue
-                        # Tied tensors are one input with several slots.
-                        if id(tensor) not in index_of:
-                            index_of[id(tensor)] = len(tensors)
-                            tensors.append(tensor)
-                        slots.append((holder, name, index_of[id(tensor)]))
-        (params, param_slots), (buffers, buffer_slots) = found.values()
+        seen: set[int] = set()
+        pending = list(modules)
+        while pending:
+            module = pending.pop()
+            if module is None or id(module) in seen:
+                continue
+            seen.add(id(module))
+            state = module.__dict__
+            # Plain tensor attributes computed for the call (`weight_orig / sigma`). Views are
+            # left to whoever put them there: FSDP's views of its flat parameter are rebuilt
+            # for the recomputation and must be read as they are then.
+            attributes += [
+                (state, k, v)
+                for k, v in state.items()
+                if type(v) is torch.Tensor and v._base is None
+            ]
+            for holder, tensors, slots in (
+                (state["_parameters"], params, param_slots),
+                (state["_buffers"], buffers, buffer_slots),
+            ):
+                for name, tensor in holder.items():
+                    if tensor is None:
+                        continue
+                    # Tied tensors are one input with several slots.
+                    index = index_of.setdefault(id(tensor), len(tensors))
+                    if index == len(tensors):
+                        tensors.append(tensor)
+                    slots.append((holder, name, index))
+            pending.extend(reversed(state["_modules"].values()))
         return cls(
             tuple(params),
             tuple(buffers),
@@ -105,10 +117,3 @@ class ModuleTensors:
                 slots[name] = original
             for state, name, value in reversed(replaced):
                 state[name] = value
-
-
-def _per_call(value: object) -> bool:
-    """Whether a plain attribute is a tensor computed for the call (`weight_orig / sigma`),
-    to be read again as it was. Views are left to whoever put them there: FSDP's views of its
-    flat parameter are rebuilt for the recomputation and must be read as they are then."""
-    return type(value) is torch.Tensor and value._base is None

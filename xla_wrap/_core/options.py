@@ -6,16 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import checkpoint_policies as cp
-from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
+from .._support.errors import CheckpointTypeError, describe
 
-# The engine when the caller does not choose: the non-reentrant one (docs/policies.md, "The two
-# engines"). On XLA both compile to the same program; on eager devices only the non-reentrant
-# one accumulates gradients in the unwrapped model's order (bitwise equal for encoder-decoders
-# too), supports torch.autograd.grad and skips blocks that need no gradient.
-DEFAULT_REENTRANT = False
-
-# The keyword options every checkpointing API accepts.
+# The keyword options every checkpointing API accepts. `use_reentrant` is PyTorch's keyword,
+# which FairScale, torch_xla and older PyTorch code pass: accepted (a bool or None) and
+# without effect, since xla_wrap has one engine (xla_wrap/_core/engine.py), which does all
+# that PyTorch's reentrant engine does and more.
 OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
+# The options a checkpoint keeps (the fields of CheckpointOptions).
+_KEPT = ("preserve_rng_state", "policy", "offload_to_cpu")
 
 # torch.utils.checkpoint.checkpoint's keywords that xla_wrap does not take, with what to do
 # instead. Passed to xla_wrap.checkpoint they would reach the function as its own arguments,
@@ -50,18 +49,16 @@ class CheckpointOptions:
     As a checkpointed module holds them
     ([`CheckpointWrapper.checkpoint_options`][xla_wrap.CheckpointWrapper]) and a plan gives
     them ([`CheckpointPlan.options_of()`][xla_wrap.CheckpointPlan.options_of]): checked and
-    resolved, `use_reentrant` a bool and `policy` a callable or `None`.
+    resolved, `policy` a callable or `None`. (`use_reentrant` is accepted by every API and
+    changes nothing, so it is not kept.)
 
     Attributes:
         preserve_rng_state: Replay the random generators in the recomputation.
-        use_reentrant: Which engine runs: `False` (the default) for the non-reentrant one,
-            `True` for the reentrant one.
-        policy: The save policy of the non-reentrant engine; `None` recomputes everything.
+        policy: The save policy; `None` recomputes everything.
         offload_to_cpu: Keep what the checkpoint saves in host memory.
     """
 
     preserve_rng_state: bool = True
-    use_reentrant: bool = DEFAULT_REENTRANT
     policy: cp.SavePolicy | None = None
     offload_to_cpu: bool = False
 
@@ -69,8 +66,8 @@ class CheckpointOptions:
         """The options as the keyword arguments of [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
 
         Returns:
-            A new dict from each option's name (`preserve_rng_state`, `use_reentrant`,
-            `policy`, `offload_to_cpu`) to its value.
+            A new dict from each option's name (`preserve_rng_state`, `policy`,
+            `offload_to_cpu`) to its value.
 
         Examples:
             >>> import torch, xla_wrap
@@ -78,7 +75,7 @@ class CheckpointOptions:
             >>> layer.checkpoint_options.as_keywords()["policy"].__name__
             'dots_saveable'
         """
-        return {name: getattr(self, name) for name in OPTION_NAMES}
+        return {name: getattr(self, name) for name in _KEPT}
 
 
 def options_from(api: str, options: dict[str, Any]) -> CheckpointOptions:
@@ -101,11 +98,7 @@ def make_options(
     policy: cp.SavePolicy | str | None = None,
     offload_to_cpu: bool = False,
 ) -> CheckpointOptions:
-    """Check the options once, for every API that takes them, and choose the engine.
-
-    The non-reentrant engine is the default (`DEFAULT_REENTRANT`); it alone can apply a
-    save policy.
-    """
+    """Check the options once, for every API that takes them."""
     if use_reentrant is not None and not isinstance(use_reentrant, bool):
         raise CheckpointTypeError(
             f"{api}: expected True, False or None as `use_reentrant`, got "
@@ -114,17 +107,8 @@ def make_options(
     resolved = None if policy is None else cp.resolve(api, policy)
     if resolved is cp.nothing_saveable:
         resolved = None
-    if use_reentrant is True and resolved is not None:
-        raise CheckpointValueError(
-            f"{api}: a save policy needs the non-reentrant engine, got use_reentrant=True with "
-            f"policy={getattr(resolved, '__qualname__', None) or resolved!r}. Pass "
-            "use_reentrant=False, or omit it."
-        )
     return CheckpointOptions(
         preserve_rng_state=bool(preserve_rng_state),
-        use_reentrant=(DEFAULT_REENTRANT and resolved is None)
-        if use_reentrant is None
-        else use_reentrant,
         policy=resolved,
         offload_to_cpu=bool(offload_to_cpu),
     )

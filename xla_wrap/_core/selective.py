@@ -29,10 +29,9 @@ from torch.utils import _pytree as pytree
 
 from .. import _paths
 from .. import checkpoint_policies as cp
-from .._support.errors import CheckpointTypeError, describe
+from .._support.errors import CheckpointTypeError, describe, recomputation_differs
 from .._support.state import local
 from .._support.tree import Flat
-from .recompute import raise_not_deterministic
 
 
 @contextmanager
@@ -129,7 +128,7 @@ class Selection:
             return value
         if occurrence >= len(self.functions) or self.functions[occurrence] != function:
             expected = self.functions[occurrence : occurrence + 1] or ["nothing more"]
-            raise_not_deterministic(
+            raise recomputation_differs(
                 self.api,
                 f"called `{function}` as operation {occurrence}, where the forward called "
                 f"`{expected[0]}`",

@@ -117,7 +117,7 @@ class CheckpointWrapper(nn.Module):
         """
         return run_checkpointed(
             "xla_wrap.checkpoint_wrapper",
-            self.unchecked_forward,
+            self.plain_forward,
             args,
             kwargs,
             owners=(self,),
@@ -125,9 +125,9 @@ class CheckpointWrapper(nn.Module):
         )
 
     @property
-    def unchecked_forward(self) -> Any:
-        """The module's own forward, which this module's forward runs as a checkpoint (what a
-        scanned stack calls: it checkpoints the layer itself)."""
+    def plain_forward(self) -> Any:
+        """The module's own forward, not checkpointed: what this module's forward runs as a
+        checkpoint, and what a scanned stack calls (it checkpoints the layer itself)."""
         inner = self.__dict__.get(INSTANCE_FORWARD_KEY)
         # A bound method unpickles by name, as this very method: the class's forward then.
         if inner is None or getattr(inner, "__func__", None) is CheckpointWrapper.forward:
@@ -286,7 +286,8 @@ def checkpoint_wrapper(
         preserve_rng_state: Replay the CPU, CUDA and XLA generators so that Dropout draws the
             same mask in the recomputation as in the forward. Turn off only for blocks
             without random ops, to skip saving generator states.
-        use_reentrant: The engine, as for [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
+        use_reentrant: Accepted and without effect, as for
+            [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
         policy: A save policy
             ([`xla_wrap.checkpoint_policies`][xla_wrap.checkpoint_policies], a function or its
             name), as for [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
@@ -301,7 +302,7 @@ def checkpoint_wrapper(
             from, `use_reentrant` is not a bool or `None`, `policy` is neither a policy name
             nor callable, or `module` is a unit of PyTorch's FSDP1.
         CheckpointValueError: If `module` is already checkpointed with other options, or
-            `policy` is unknown or given with `use_reentrant=True`.
+            `policy` is unknown.
 
     Examples:
         >>> import torch, xla_wrap

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .._core import hooks as _hooks
+from .._core.engine import record_of
 from .._core.options import options_from
-from .._core.recompute import ForwardRecord
 from .._core.wrapper import checkpoint_wrapper
 from .._layouts import is_fsdp_unit as is_unit
 from .._paths import xla as _xla
@@ -96,8 +96,7 @@ def auto_wrapper_callable(
     Raises:
         CheckpointTypeError: If an option is unknown or has the wrong type, or `plan` is not
             a `CheckpointPlan` or is given with other options.
-        CheckpointValueError: If the save `policy` is unknown or given with
-            `use_reentrant=True`.
+        CheckpointValueError: If the save `policy` is unknown.
         ImportError: If `fsdp_class` is omitted and torch_xla is not installed.
     """
     api = "xla_wrap.fsdp.auto_wrapper_callable"
@@ -158,7 +157,10 @@ def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
 
 
 class _EagerFsdpUnits(_hooks.CheckpointHook):
-    """Refuse what cannot work with FSDP units already in the model."""
+    """Refuse what cannot work with FSDP units already in the model (when wrapping: nothing
+    of it runs in a step)."""
+
+    device_types: frozenset[str] = frozenset()
 
     def check_module(self, api: str, module: nn.Module) -> None:
         """Refuse to checkpoint a unit of PyTorch's FSDP1.
@@ -208,22 +210,22 @@ class _SpmdOutputSharding(_hooks.CheckpointHook):
     XLA's sharding propagation does not pass through an optimization barrier, so a barriered
     gradient carries no sharding, and the partitioner then replicates the recomputation and
     gathers its activations in full. Each gradient therefore gets the sharding of its output:
-    found on the recomputed output, recorded on the forward's output, or given to the output
-    only after the checkpoint returned it (FSDPv2 annotates a unit's output then; the units
+    recorded on the forward's output, or given to the output only after the checkpoint
+    returned it (FSDPv2 annotates a unit's output then; the units
     [`auto_wrapper_callable()`][xla_wrap.fsdp.auto_wrapper_callable] builds report it through
     `_record_output_sharding()`).
     """
 
+    device_types = frozenset({"xla"})
+
     def on_forward(self, outputs: Sequence[torch.Tensor]) -> list[object | None]:
         return [_xla.sharding(t) for t in outputs]
 
-    def on_gradient(
-        self, state: object, position: int, grad: torch.Tensor, output: torch.Tensor | None
-    ) -> None:
+    def on_gradient(self, state: object, position: int, grad: torch.Tensor) -> None:
         if _xla.sharding(grad) is not None:
             return
         shardings: list[object | None] = state  # type: ignore[assignment]  # on_forward's
-        op_sharding = (_xla.sharding(output) if output is not None else None) or shardings[position]
+        op_sharding = shardings[position]
         if op_sharding is not None:
             _xla.shard_like(grad, op_sharding)
         elif _xla.is_xla_tensor(grad) and _xla.spmd_active():
@@ -234,6 +236,8 @@ class _XlaFsdpRecomputing(_hooks.CheckpointHook):
     """Tell XLA FSDP that a checkpointed block is being recomputed in backward, as torch_xla's
     own checkpoint does: XLA FSDP then skips resharding the parameters it is about to gather
     again (`torch_xla.utils.checkpoint.chkpt_status`)."""
+
+    device_types = frozenset({"xla"})
 
     def replaying(self) -> AbstractContextManager[None]:
         return _xla.checkpoint_backward_status()
@@ -250,9 +254,8 @@ def _record_output_sharding(output: torch.Tensor) -> None:
 
     SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
     made of the checkpoint's output. This walks from `output` back through such pass-through
-    nodes to the checkpoint that produced it (either engine's gate carries its
-    `ForwardRecord`), so that its backward shards the gradient the same way. An output
-    that no checkpoint produced, or that has no sharding, is left alone.
+    nodes to the checkpoint that produced it, so that its backward shards the gradient the
+    same way. An output that no checkpoint produced, or that has no sharding, is left alone.
     """
     op_sharding = _xla.sharding(output)
     if op_sharding is None:
@@ -261,12 +264,12 @@ def _record_output_sharding(output: torch.Tensor) -> None:
     for _ in range(_MAX_ALIAS_HOPS):
         if node is None:
             return
-        gate: Any = node  # a checkpoint's gate carries its record and output positions
-        record = getattr(gate, "record", None)
-        if isinstance(record, ForwardRecord):
+        found = record_of(node, index)
+        if found is not None:
+            record, position = found
             shardings = record.hook_state(_SPMD_OUTPUT_SHARDING)
             if isinstance(shardings, list):
-                shardings[gate.output_positions[index]] = op_sharding
+                shardings[position] = op_sharding
             return
         if type(node).__name__ not in _PASS_THROUGH_NODES:
             return

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .._core.recompute import is_buffer_copy
+from .._core.engine import is_buffer_copy
 from .._paths import xla as _xla
 from .._support.errors import CheckpointTypeError, describe
 

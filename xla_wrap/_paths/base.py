@@ -4,7 +4,8 @@ An execution path is where a block's tensors run: torch's own eager devices, or 
 lazy tensors that become one compiled program per step. The core never asks which one it has;
 it asks the path of its tensors (`xla_wrap._paths.path_of`) these questions. A new path (a
 device whose compiler merges work, or that keeps saved values elsewhere) is a class with these
-members, registered in `xla_wrap/_paths/__init__.py`; nothing in the core changes.
+members, registered by device type in `xla_wrap/_paths/__init__.py` (`PATHS`); nothing in the
+core changes.
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ import torch
 class ExecutionPath(Protocol):
     """One execution path, as the checkpoint core sees it."""
 
-    name: str
+    name: str  # the device type whose tensors run on this path ("eager": every other one)
+    # The device types whose autocast settings a recomputation on this path replays.
+    autocast_device_types: tuple[str, ...]
     # Whether a barrier means something here: the compiler could otherwise merge the
     # recomputation with the forward, or move it before the gradients arrive. Where it does,
     # barrier() returns new values; where not, aliases.
     barriers: bool
     # Whether the recomputation may stop once the last tensor the backward needs exists.
     stops_early: bool
-
-    def owns(self, device: torch.device) -> bool:
-        """Whether tensors on `device` run on this path."""
-        ...
 
     def barrier(
         self, tensors: Sequence[torch.Tensor], in_place: Sequence[bool]

@@ -20,11 +20,9 @@ class EagerRng:
 
 class EagerPath:
     name = "eager"
+    autocast_device_types: tuple[str, ...] = ("cpu", "cuda")
     barriers = False  # eager execution has nothing to reorder
     stops_early = True  # nothing else needs the rest of the recomputed block
-
-    def owns(self, device: torch.device) -> bool:
-        return device.type != "xla"
 
     def barrier(
         self, tensors: Sequence[torch.Tensor], in_place: Sequence[bool]

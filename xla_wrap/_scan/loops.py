@@ -42,16 +42,20 @@ from torch.utils import _pytree as pytree
 
 from .. import _paths
 from .. import checkpoint_policies as cp
-from .._core import autocast as _autocast
-from .._core import offload as _offload
+from .._core import engine as _engine
 from .._core import selective as _selective
 from .._core.checkpoint import run_checkpointed
 from .._core.options import CheckpointOptions, make_options
-from .._core.recompute import raise_not_deterministic
 from .._core.wrapper import CheckpointWrapper
 from .._paths import xla as _xla
-from .._support.errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
-from .._support.state import checkpointing_disabled, recomputing
+from .._support.errors import (
+    CheckpointError,
+    CheckpointTypeError,
+    CheckpointValueError,
+    describe,
+    recomputation_differs,
+)
+from .._support.state import Recomputing, checkpointing_disabled
 from .._support.tree import Flat, TensorMeta
 from . import alike as _alike
 from . import stacked_parameters as _stacked
@@ -317,7 +321,7 @@ def _held(module: nn.Module, name: str, kind: str) -> torch.Tensor:
 def _own_forward(layer: nn.Module) -> Any:
     """The layer's forward, without the checkpoint of a checkpoint-wrapped layer (the scan
     checkpoints it) and without module hooks (refused: a loop body cannot run them)."""
-    return layer.unchecked_forward if isinstance(layer, CheckpointWrapper) else layer.forward
+    return layer.plain_forward if isinstance(layer, CheckpointWrapper) else layer.forward
 
 
 def _check_runnable(api: str, index: int, layer: nn.Module) -> None:
@@ -450,7 +454,7 @@ class _Scan:
     options: CheckpointOptions
     device: torch.device
     seed: int  # the per-call seed both loops' bodies start from
-    autocast: _autocast.AutocastSnapshot
+    autocast: _engine.AutocastSnapshot
     selection: _selective.Selection | None
     kept_offload: list[bool] = field(default_factory=list)
     # Under SPMD: each carry tensor's sharding, which the stack of carries and the backward
@@ -478,7 +482,7 @@ class _Scan:
         """What both bodies trace under: the call's seed (torch_xla draws the per-iteration
         seeds from it after tracing) and the forward's autocast settings."""
         _xla.set_rng_state(self.device, self.seed)
-        with _autocast.replay(self.autocast), torch.enable_grad():
+        with _engine.replay_autocast(self.autocast), torch.enable_grad():
             yield
 
 
@@ -524,7 +528,7 @@ def _scan(stack: _LayerStack, carry: Flat, constants: Flat, options: CheckpointO
         options=options,
         device=device,
         seed=0,
-        autocast=_autocast.capture(),
+        autocast=_engine.capture_autocast(_paths.device_path(device)),
         selection=selection,
     )
     with _xla.call_seed(device) as seed:
@@ -645,7 +649,7 @@ class _ScanFunction(torch.autograd.Function):
         carry, constants, stacked = _split(tensors, *scan.counts)
         final, carries, kept = _forward_loop(scan, carry, constants, stacked, save=True)
         offload = [scan.options.offload_to_cpu] * len(carries) + scan.kept_offload
-        residuals, devices = _offload.to_host([*carries, *kept], offload)
+        residuals, devices = _engine.to_host([*carries, *kept], offload)
         ctx.scan = scan
         ctx.devices = devices
         ctx.lengths = (len(constants), len(stacked), len(carries))
@@ -666,7 +670,7 @@ class _ScanFunction(torch.autograd.Function):
         scan: _Scan = ctx.scan
         n_const, n_stacked, n_carries = ctx.lengths
         constants, stacked, residuals = _split(ctx.saved_tensors, n_const, n_stacked)
-        carries, kept = _split(_offload.to_device(residuals, ctx.devices), n_carries)
+        carries, kept = _split(_engine.to_device(residuals, ctx.devices), n_carries)
         with _xla.keep_stream(scan.device):
             wanted = _split(ctx.wanted, *scan.counts)
             gradients = _backward_loop(scan, grads, constants, stacked, carries, kept, wanted)
@@ -714,7 +718,7 @@ def _backward_loop(
         consts, params = _as(consts, dtypes[0]), _as(params, dtypes[1])
         carry_in = _as(carry_in, dtypes[2])
         # Watched through autograd.grad too: hooks and Functions may read the layer there.
-        with scan.body_state(), recomputing(), scan.stack.watching():
+        with scan.body_state(), Recomputing(), scan.stack.watching():
             inputs = [_leaf(t, g) for t, g in zip(carry_in, carry_grad, strict=True)]
             const_inputs = [_leaf(t, g) for t, g in zip(consts, want_const, strict=True)]
             layer_inputs = [_leaf(t, g) for t, g in zip(params, want_layer, strict=True)]
@@ -723,7 +727,7 @@ def _backward_loop(
                     stack.enter_context(scan.selection.substituting(kept_here, connected=True))
                 out = scan.run_layer(inputs, const_inputs, layer_inputs)
             if _xla.rng_state(scan.device) != scan.draws_after_body:
-                raise_not_deterministic(_API, "drew a different number of random values")
+                raise recomputation_differs(_API, "drew a different number of random values")
             pairs = [(t, g) for t, g in zip(out.tensors, grad_out, strict=True) if t.requires_grad]
             wrt = [t for t in (*inputs, *const_inputs, *layer_inputs) if t.requires_grad]
             computed: Sequence[torch.Tensor | None] = [None] * len(wrt)

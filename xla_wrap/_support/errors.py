@@ -26,6 +26,15 @@ class CheckpointError(XlaWrapError, RuntimeError):
     For example, the recomputation in backward did not reproduce the forward."""
 
 
+def recomputation_differs(api: str, problem: str) -> CheckpointError:
+    """The error for a recomputation that computed something else than its forward did."""
+    return CheckpointError(
+        f"{api}: the recomputation in backward {problem}. A checkpointed callable must "
+        "compute the same thing when run again on the same inputs; branch on "
+        "`xla_wrap.is_recomputing()` only for side effects, never for what it computes."
+    )
+
+
 class BudgetUnreachableError(CheckpointValueError):
     """No checkpointing plan fits the memory budget.
 

@@ -93,14 +93,22 @@ def is_recomputing() -> bool:
     return local.recomputing > 0
 
 
-@contextmanager
-def recomputing() -> Iterator[None]:
-    """Mark the calling thread as recomputing for the duration of the block (nestable)."""
-    local.recomputing += 1
-    try:
-        yield
-    finally:
+class Recomputing:
+    """While a recomputation runs: [`is_recomputing()`][xla_wrap.is_recomputing] is true, and
+    checkpointing is on as it was when the checkpointed forward ran (a backward inside
+    [`disable_checkpointing()`][xla_wrap.disable_checkpointing] must recompute nested
+    checkpoints as checkpoints, or the recomputation would save other tensors than the
+    forward). Nestable; a class rather than a generator, since every recomputation enters it."""
+
+    __slots__ = ("_disabled",)
+
+    def __enter__(self) -> None:
+        local.recomputing += 1
+        self._disabled, local.checkpointing_disabled = local.checkpointing_disabled, 0
+
+    def __exit__(self, *exc: object) -> None:
         local.recomputing -= 1
+        local.checkpointing_disabled = self._disabled
 
 
 @contextmanager
@@ -142,16 +150,3 @@ def checkpointing_disabled() -> bool:
     """Whether [`disable_checkpointing()`][xla_wrap.disable_checkpointing] is in effect on the
     calling thread."""
     return local.checkpointing_disabled > 0
-
-
-@contextmanager
-def checkpointing_as_in_forward() -> Iterator[None]:
-    """Inside a recomputation: checkpointing on, as it was when the checkpointed forward ran
-    (a backward inside [`disable_checkpointing()`][xla_wrap.disable_checkpointing] must
-    recompute nested checkpoints as checkpoints, or the recomputation would save other tensors
-    than the forward)."""
-    outside, local.checkpointing_disabled = local.checkpointing_disabled, 0
-    try:
-        yield
-    finally:
-        local.checkpointing_disabled = outside

@@ -58,10 +58,6 @@ def _xla_wrap(block: nn.Module) -> nn.Module:
     return xla_wrap.checkpoint_wrapper(block)
 
 
-def _xla_wrap_reentrant(block: nn.Module) -> nn.Module:
-    return xla_wrap.checkpoint_wrapper(block, use_reentrant=True)
-
-
 def _xla_wrap_dots(block: nn.Module) -> nn.Module:
     return xla_wrap.checkpoint_wrapper(block, policy="dots_saveable")
 
@@ -100,7 +96,6 @@ VARIANTS: dict[str, Callable[[nn.Module], nn.Module] | None] = {
     "fairscale checkpoint_wrapper": _fairscale,
     "torch_xla.utils.checkpoint": _torch_xla,
     "xla_wrap": _xla_wrap,
-    "xla_wrap reentrant": _xla_wrap_reentrant,
     "xla_wrap dots_saveable": _xla_wrap_dots,
 }
 
@@ -112,12 +107,12 @@ STACK_VARIANTS: dict[str, Callable[[nn.ModuleList], nn.ModuleList]] = {
 }
 VARIANTS.update(dict.fromkeys(STACK_VARIANTS))
 
-# Run only when asked for (--variants): the engine comparison behind the default engine
-# (docs/policies.md), and torch_xla's scan_layers, which takes no keyword arguments (the
-# default transformer passes its mask as one; the depth sweep runs it with the mask a buffer).
+# Run only when asked for (--variants): torch_xla's scan_layers, which takes no keyword
+# arguments (the default transformer passes its mask as one; the depth sweep runs it with the
+# mask a buffer).
 # The save policy and the scans run on the transformer only: a conv block is nothing but
 # convolutions and ReLUs, so keeping the products keeps almost everything.
-OPT_IN = ("xla_wrap reentrant", "torch_xla scan_layers")
+OPT_IN = ("torch_xla scan_layers",)
 TRANSFORMER_ONLY = ("xla_wrap dots_saveable", *STACK_VARIANTS)
 # The depth sweep (--depth): loops against scans, Dropout off (torch_xla's scan crashes on it).
 DEPTH_VARIANTS = (

@@ -103,7 +103,7 @@ def gradient_checkpointing_enable(
             `every_n_layers` is not a positive integer, `stack_parameters` is given without
             `scan`, `scan` is given with `every_n_layers` or options other than `policy` and
             `offload_to_cpu`, `plan` is not a `CheckpointPlan` or comes with other options,
-            or the save `policy` is unknown or given with `use_reentrant=True`.
+            or the save `policy` is unknown.
     """
     api = "xla_wrap.integrations.transformers.gradient_checkpointing_enable"
     _check_model(api, model)

@@ -52,7 +52,7 @@ def checkpoint(
     offload_to_cpu: bool,
 ) -> Any:
     """`function(*args, **kwargs)` as the compiler's checkpoint, with the save `policy`.
-    The reentrant engine has no compiled form; both engines compile to the same op."""
+    xla_wrap has one engine; under the compiler it is this op."""
     if offload_to_cpu:
         raise CheckpointValueError(
             f"{api}: offload_to_cpu=True is not supported inside torch.compile: the compiler "

@@ -17,14 +17,12 @@ XlaRng = tuple[tuple[torch.device, int], ...]  # the running seed of each XLA de
 
 class XlaPath:
     name = "xla"
+    autocast_device_types: tuple[str, ...] = ("xla",)
     barriers = True
     # The rest of a recomputed block is dead code the compiler drops; stopping early would
     # leave wrappers inside the block mid-forward (XLA FSDP's state machine then refuses the
     # next backward hook).
     stops_early = False
-
-    def owns(self, device: torch.device) -> bool:
-        return device.type == "xla"
 
     def barrier(
         self, tensors: Sequence[torch.Tensor], in_place: Sequence[bool]

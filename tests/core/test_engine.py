@@ -1,10 +1,9 @@
-"""The non-reentrant engine (``use_reentrant=False``): torch.autograd.grad, nesting, early stop
-of the recomputation, and the determinism check. Its barrier on XLA is tested in test_xla.py,
-next to the reentrant engine's."""
+"""The engine (xla_wrap/_core/engine.py): torch.autograd.grad, nesting, early stop of the
+recomputation, and the determinism check. Its barrier on XLA is tested in
+tests/paths/test_xla.py."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import xla_wrap
 
 from models import BATCH, WIDTH, Block, seed_everything, sync
 
-checkpoint = functools.partial(xla_wrap.checkpoint, use_reentrant=False)
+checkpoint = xla_wrap.checkpoint
 
 
 class Counting(nn.Module):
@@ -89,11 +88,8 @@ def test_recomputation_stops_once_the_last_saved_tensor_exists() -> None:
     block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), counter)
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
     checkpoint(block, x).sum().backward()
-    # tanh saves the last tensor; the multiplication after it is not run again.
+    # tanh saves the last tensor; the multiplication after it is not run again (Rule 5).
     assert counter.calls == 1
-    counter.calls = 0
-    xla_wrap.checkpoint(block, x, use_reentrant=True).sum().backward()
-    assert counter.calls == 2  # the reentrant engine reruns the whole block
 
 
 def test_recomputation_saving_another_shape_is_refused_naming_the_tensor() -> None:
@@ -142,9 +138,9 @@ def test_recomputed_tensors_are_released_after_backward() -> None:
     block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
     # Two outputs, one unused by the loss: what only its branch would read is released too.
     out = checkpoint(lambda t: (block(t), t.exp() * 2), x)
-    frame = out[0].grad_fn.frame
+    saved = out[0].grad_fn.saved  # the gate's saved-tensor bookkeeping (engine Rule 4)
     out[0].sum().backward()
-    assert frame.recomputed == {}
+    assert saved.recomputed == {}
 
 
 def test_the_same_graph_backpropagates_twice_with_retain_graph() -> None:
@@ -176,14 +172,13 @@ def test_xla_gradients_through_autograd_grad_match_unwrapped(xla_device: torch.d
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_inputs_are_released_after_backward_while_the_loss_lives(use_reentrant: bool) -> None:
+def test_inputs_are_released_after_backward_while_the_loss_lives() -> None:
     import weakref
 
     block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
     x = torch.randn(BATCH, WIDTH) * 1.0  # a non-leaf, as an activation would be
     alive = weakref.ref(x)
-    loss = xla_wrap.checkpoint(block, x, use_reentrant=use_reentrant).sum()
+    loss = xla_wrap.checkpoint(block, x).sum()
     loss.backward()
     del x
     # On XLA, a tensor kept alive with the loss becomes an output of every step.
