@@ -44,6 +44,7 @@ Rule 8 (no in-place change of inputs). A block that modifies one of its inputs i
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -78,13 +79,15 @@ def run(call: CheckpointCall, inputs: Flat) -> Any:
     """Run `call` on `inputs` once, with placeholders for what its graph saves, and return its
     outputs behind the gate (Rule 2)."""
     path = _paths.path_of((*inputs.tensors, *call.owners.params))
-    path.warn_if_barriers_stripped((*inputs.tensors, *call.owners.params))
+    if path.barriers:
+        path.warn_if_barriers_stripped((*inputs.tensors, *call.owners.params))
     policy = call.options.policy
     selection = None
     if policy is not None and policy is not cp.nothing_saveable:
         selection = _selective.Selection(call.api, policy)
     saved = _SavedTensors(call.api, selection)
-    with _own_operations():
+    # Rule 3: xla_wrap's own operations are nobody's to keep.
+    with _selective.active(None) if local.selections else nullcontext():
         record, outputs, buffers = _record_forward(call, inputs, path, saved)
         kept = selection.take_kept(outputs.tensors) if selection else []
         gated = record.output_positions
@@ -105,12 +108,6 @@ def run(call: CheckpointCall, inputs: Flat) -> Any:
     return outputs.rebuild(tensors)
 
 
-def _own_operations() -> Any:
-    """xla_wrap's own operations are nobody's to keep (Rule 3): hide an enclosing checkpoint's
-    save policy from them."""
-    return _selective.active(None) if local.selections else nullcontext()
-
-
 # ----------------------------------------------------------------------------------------------
 # The forward and its record
 
@@ -125,10 +122,12 @@ class ForwardRecord:
     inputs: Flat  # the (args, kwargs) structure, tensor leaves as TensorMeta
     outputs: Flat  # the returned structure, tensor leaves as TensorMeta
     inputs_require_grad: tuple[bool, ...]
-    rng: RngSnapshot | None
-    autocast: AutocastSnapshot
+    replay: ReplayState  # the generators and autocast settings (Rule 7)
     path: _paths.ExecutionPath  # where the block runs
     output_positions: tuple[int, ...]  # the output tensors that require grad: the gate's
+    # What the path noted about the output tensors, for their gradients after the barrier
+    # (SPMD shardings on XLA); None: nothing.
+    output_notes: list[object | None] | None
     hooks: tuple[tuple[CheckpointHook, object], ...]  # each hook with what it noted
 
     @property
@@ -157,10 +156,9 @@ def _record_forward(
     # no version counter sees); the recomputation must read them as the forward did. On XLA the
     # copy shares the lazy value, and as a saved tensor it is freed with the graph.
     buffers = tuple(_buffer_copy(b) for b in owners.buffers)
-    rng = None
-    if call.options.preserve_rng_state:
-        rng = capture_rng(path, (*tensors, *owners.params, *owners.buffers))
-    autocast = capture_autocast(path)
+    replay = ReplayState.capture(
+        path, (*tensors, *owners.params, *owners.buffers), rng=call.options.preserve_rng_state
+    )
     versions = [t._version for t in tensors]
     with (
         saved.forward_running(),
@@ -170,19 +168,24 @@ def _record_forward(
         args, kwargs = inputs.rebuild(tensors)
         outputs = Flat.of(call.function(*args, **kwargs))
     _check_inputs_unchanged(call.api, tensors, versions)  # Rule 8
-    if rng is not None:
-        refuse_unreplayable(call.api, rng)
-    hooks = tuple(h for h in process.hooks if h.device_types is None or path.name in h.device_types)
+    replay.refuse_unreplayable(call.api)
+    # The hooks that act here: for this path, and whose library is in use (Rule 7).
+    hooks = [
+        h
+        for h in process.hooks
+        if (h.device_types is None or path.name in h.device_types)
+        and (h.library is None or h.library in sys.modules)
+    ]
     record = ForwardRecord(
         call=call,
         inputs=inputs.without_tensors(),
         outputs=outputs.without_tensors(),
         inputs_require_grad=tuple(t.requires_grad for t in tensors),
-        rng=rng,
-        autocast=autocast,
+        replay=replay,
         path=path,
         output_positions=tuple(i for i, t in enumerate(outputs.tensors) if t.requires_grad),
-        hooks=tuple((hook, hook.on_forward(outputs.tensors)) for hook in hooks),
+        output_notes=path.note_outputs(outputs.tensors) if path.barriers else None,
+        hooks=tuple((h, h.on_forward(outputs.tensors)) for h in hooks) if hooks else (),
     )
     return record, outputs, buffers
 
@@ -221,72 +224,58 @@ def _check_inputs_unchanged(
 
 
 @dataclass(frozen=True)
-class RngSnapshot:
-    """Generator states taken when a checkpointed forward started, per execution path."""
+class ReplayState:
+    """The generators and autocast settings a checkpointed forward started with (Rule 7), per
+    execution path in play: the block's own, and the eager one (any block may draw random
+    numbers or cast on the CPU). The recomputation runs in backward, where autocast is usually
+    off and the generators have moved on; without them it would draw other Dropout masks and
+    compute in other dtypes."""
 
-    states: tuple[tuple[_paths.ExecutionPath, object], ...]
+    rng: tuple[tuple[_paths.ExecutionPath, object], ...]  # empty: the generators not replayed
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device type, enabled, dtype)
+    autocast_cache: bool
 
+    @classmethod
+    def capture(
+        cls, path: _paths.ExecutionPath, tensors: Sequence[torch.Tensor], *, rng: bool = True
+    ) -> ReplayState:
+        paths = _paths.generator_paths(path)
+        return cls(
+            rng=tuple((p, p.capture_rng(tensors)) for p in paths) if rng else (),
+            autocast=tuple(
+                (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                for p in paths
+                for kind in p.autocast_device_types
+            ),
+            autocast_cache=torch.is_autocast_cache_enabled(),
+        )
 
-def capture_rng(path: _paths.ExecutionPath, tensors: Sequence[torch.Tensor]) -> RngSnapshot:
-    """The generators a block on `path` computing on `tensors` draws from: the eager ones
-    (any block may draw on the CPU) and its own path's."""
-    return RngSnapshot(tuple((p, p.capture_rng(tensors)) for p in _paths.generator_paths(path)))
+    def refuse_unreplayable(self, api: str) -> None:
+        """Raise if the forward since the capture drew random numbers that no replay can draw
+        again (see each path's `refuse_unreplayable`)."""
+        for path, captured in self.rng:
+            path.refuse_unreplayable(api, captured)
 
-
-def refuse_unreplayable(api: str, snapshot: RngSnapshot) -> None:
-    """Raise if the forward since `snapshot` drew random numbers that no replay can draw
-    again (see each path's `refuse_unreplayable`)."""
-    for path, captured in snapshot.states:
-        path.refuse_unreplayable(api, captured)
-
-
-@contextmanager
-def replay_rng(snapshot: RngSnapshot) -> Iterator[None]:
-    """Run the block with the generators as in `snapshot`; put back the generators as they
-    were on entry afterwards (also on error), so the code around sees no recomputation."""
-    with ExitStack() as stack:
-        for path, captured in snapshot.states:
-            stack.enter_context(path.replay_rng(captured))
-        yield
-
-
-@dataclass(frozen=True)
-class AutocastSnapshot:
-    """Per device type: (enabled, dtype); plus whether the autocast cache was enabled."""
-
-    states: tuple[tuple[str, bool, torch.dtype], ...]
-    cache_enabled: bool
-
-
-def capture_autocast(path: _paths.ExecutionPath) -> AutocastSnapshot:
-    """The autocast settings of the device types a block on `path` may compute on. The
-    recomputation runs in backward, where autocast is usually off; without them it would
-    compute in other dtypes and give other gradients."""
-    states = tuple(
-        (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        for p in _paths.generator_paths(path)
-        for kind in p.autocast_device_types
-    )
-    return AutocastSnapshot(states=states, cache_enabled=torch.is_autocast_cache_enabled())
-
-
-@contextmanager
-def replay_autocast(snapshot: AutocastSnapshot) -> Iterator[None]:
-    """Run the block under the autocast settings of `snapshot`. Only device types whose setting
-    differs from the current one are touched: a machine without CUDA never enters a CUDA
-    autocast context."""
-    with ExitStack() as stack:
-        for kind, enabled, dtype in snapshot.states:
-            if enabled == torch.is_autocast_enabled(kind) and (
-                not enabled or dtype == torch.get_autocast_dtype(kind)
-            ):
-                continue
-            stack.enter_context(
-                torch.autocast(
-                    kind, dtype=dtype, enabled=enabled, cache_enabled=snapshot.cache_enabled
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Run the block with the captured generators and autocast settings; put the
+        generators back as they were on entry afterwards (also on error), so that the code
+        around sees no recomputation. Only autocast settings that differ from the current
+        ones are entered: a machine without CUDA never enters a CUDA autocast context."""
+        with ExitStack() as stack:
+            for path, captured in self.rng:
+                stack.enter_context(path.replay_rng(captured))
+            for kind, enabled, dtype in self.autocast:
+                if enabled == torch.is_autocast_enabled(kind) and (
+                    not enabled or dtype == torch.get_autocast_dtype(kind)
+                ):
+                    continue
+                stack.enter_context(
+                    torch.autocast(
+                        kind, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache
+                    )
                 )
-            )
-        yield
+            yield
 
 
 # ----------------------------------------------------------------------------------------------
@@ -546,8 +535,7 @@ def _replaying(record: ForwardRecord, barriered: _Barriered) -> Iterator[None]:
     with (
         Recomputing(),
         _hooks_replaying(record) if record.hooks else nullcontext(),
-        replay_rng(record.rng) if record.rng is not None else nullcontext(),
-        replay_autocast(record.autocast),
+        record.replay.replaying(),
         record.call.owners.substituted(barriered.params, barriered.buffers),
         torch.enable_grad(),
     ):
@@ -588,9 +576,12 @@ class _OutputGate(torch.autograd.Function):
         # Rule 3: saved tensors, not attributes: autograd frees them with the graph, and an
         # enclosing checkpoint swaps them for placeholders of its own.
         offload = gate.record.call.options.offload_to_cpu
-        wanted = [offload] * (len(gate.residuals) - len(gate.offload_kept))
-        wanted += [offload or flag for flag in gate.offload_kept]
-        residuals, ctx.devices = to_host(gate.residuals, wanted)
+        residuals, ctx.devices = gate.residuals, None
+        if offload or any(gate.offload_kept):
+            wanted = [offload] * (len(gate.residuals) - len(gate.offload_kept))
+            wanted += [offload or flag for flag in gate.offload_kept]
+            residuals, ctx.devices = to_host(gate.residuals, wanted)
+        ctx.n_residuals = len(residuals)
         ctx.save_for_backward(*residuals, *gate.buffers)
         ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in outputs)
@@ -600,20 +591,23 @@ class _OutputGate(torch.autograd.Function):
         record: ForwardRecord = ctx.record
         saved: _SavedTensors = ctx.saved
         everything = ctx.saved_tensors  # once: under an enclosing checkpoint each read unpacks
-        n_residuals = len(ctx.devices)
-        residuals = to_device(everything[:n_residuals], ctx.devices)
-        buffers = everything[n_residuals:]
+        residuals, buffers = everything[: ctx.n_residuals], everything[ctx.n_residuals :]
+        if ctx.devices is not None:
+            residuals = to_device(residuals, ctx.devices)
         n_inputs = len(record.inputs_require_grad)
         present = [i for i, g in enumerate(grads) if g is not None]
         incoming = [g for g in grads if g is not None]
         handed_on = incoming  # Rule 6: a create_graph backward recomputed for good already
         if not saved.on_placeholders:
-            with _own_operations():
+            with _selective.active(None) if local.selections else nullcontext():  # Rule 3
                 barriered = _barrier(
                     record, residuals[:n_inputs], residuals[n_inputs:], incoming, buffers
                 )
                 saved.recompute(record, barriered)
             handed_on = barriered.grads  # Rule 1
+        if record.output_notes is not None:
+            positions = [record.output_positions[i] for i in present]
+            record.path.lay_out_gradients(record.output_notes, positions, handed_on)
         for hook, state in record.hooks:
             for i, grad in zip(present, handed_on, strict=True):
                 hook.on_gradient(state, record.output_positions[i], grad)
@@ -640,12 +634,11 @@ class _DifferentiableCopy(torch.autograd.Function):
         return grad, None
 
 
-def record_of(node: object, output_nr: int) -> tuple[ForwardRecord, int] | None:
-    """The record of the checkpoint whose gate is the autograd `node`, and the position of the
-    gate's output `output_nr` among that forward's output tensors; None if `node` is no
-    checkpoint's gate. (For a tensor `t` a checkpoint returned: `record_of(t.grad_fn,
-    t.output_nr)`.)"""
+def record_of(tensor: torch.Tensor) -> tuple[ForwardRecord, int] | None:
+    """The record of the checkpoint that returned `tensor`, and the tensor's position among
+    that forward's output tensors; None if no checkpoint returned it."""
+    node = tensor.grad_fn
     if not isinstance(node, _OutputGate._backward_cls):
         return None
     record: ForwardRecord = node.record
-    return record, record.output_positions[output_nr]
+    return record, record.output_positions[tensor.output_nr]

@@ -26,6 +26,9 @@ class CheckpointHook:
     # `on_gradient` and `replaying` run; None: every path. A checkpoint on another path never
     # calls this hook.
     device_types: frozenset[str] | None = None
+    # The module (`sys.modules` name) of the library the hook is for; None: always. A
+    # checkpoint taken while that library is not imported never calls this hook.
+    library: str | None = None
 
     def check_module(self, api: str, module: nn.Module) -> None:
         """Raise if `module` must not be checkpointed; called before anything is wrapped."""

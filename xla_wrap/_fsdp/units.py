@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-import torch
 from torch import nn
 
 from .._core import hooks as _hooks
@@ -114,10 +113,9 @@ def auto_wrapper_callable(
         if chosen is None:  # the plan keeps this unit's activations
             unit: nn.Module = fsdp(module, *args, **kwargs)
             return unit
-        unit = fsdp(checkpoint_wrapper(module, **chosen.as_keywords()), *args, **kwargs)
-        # SPMD FSDP shards the unit's output after the checkpoint returned it; the checkpoint's
-        # backward must shard the gradient the same way (see _record_output_sharding).
-        unit.register_forward_hook(_record_output_shardings)
+        checkpointed = checkpoint_wrapper(module, **chosen.as_keywords())
+        unit = fsdp(checkpointed, *args, **kwargs)
+        _record_output_shardings(checkpointed, unit)
         return unit
 
     return build
@@ -151,9 +149,34 @@ def format_units(units: list[str]) -> str:
     return shown + (f" and {len(units) - 3} more" if len(units) > 3 else "")
 
 
-def _record_output_shardings(module: nn.Module, args: Any, output: Any) -> None:
-    for tensor in Flat.of(output).tensors:
-        _record_output_sharding(tensor)
+def _record_output_shardings(checkpointed: nn.Module, unit: nn.Module) -> None:
+    """Hand the shardings SPMD FSDP gives `unit`'s outputs to the checkpoint inside it.
+
+    FSDPv2 annotates a unit's outputs once the unit returns, after the checkpoint returned them
+    (through module hooks, on aliases); the checkpoint's backward must shard their gradients
+    the same way. A forward hook on the checkpointed module sees the checkpoint's own outputs;
+    one on the unit sees what it returns, in the same order; the core names the checkpoint
+    behind each of the former (`record_of`).
+    """
+    returned: list[Any] = []  # per call in progress (a unit may run inside itself)
+
+    def checkpoint_returned(module: nn.Module, args: Any, output: Any) -> None:
+        returned.append(output)
+
+    def unit_returned(module: nn.Module, args: Any, output: Any) -> None:
+        inner = Flat.of(returned.pop()).tensors if returned else ()
+        outer = Flat.of(output).tensors
+        if len(inner) != len(outer):
+            return
+        for own, annotated in zip(inner, outer, strict=True):
+            found = record_of(own)
+            op_sharding = _xla.sharding(annotated)
+            if found is not None and op_sharding is not None:
+                record, position = found
+                _xla.note_output_sharding(record.output_notes, position, op_sharding)
+
+    checkpointed.register_forward_hook(checkpoint_returned)
+    unit.register_forward_hook(unit_returned)
 
 
 class _EagerFsdpUnits(_hooks.CheckpointHook):
@@ -204,78 +227,17 @@ class _EagerFsdpUnits(_hooks.CheckpointHook):
             )
 
 
-class _SpmdOutputSharding(_hooks.CheckpointHook):
-    """Keep each output's SPMD sharding on its gradient across the barrier.
-
-    XLA's sharding propagation does not pass through an optimization barrier, so a barriered
-    gradient carries no sharding, and the partitioner then replicates the recomputation and
-    gathers its activations in full. Each gradient therefore gets the sharding of its output:
-    recorded on the forward's output, or given to the output only after the checkpoint
-    returned it (FSDPv2 annotates a unit's output then; the units
-    [`auto_wrapper_callable()`][xla_wrap.fsdp.auto_wrapper_callable] builds report it through
-    `_record_output_sharding()`).
-    """
-
-    device_types = frozenset({"xla"})
-
-    def on_forward(self, outputs: Sequence[torch.Tensor]) -> list[object | None]:
-        return [_xla.sharding(t) for t in outputs]
-
-    def on_gradient(self, state: object, position: int, grad: torch.Tensor) -> None:
-        if _xla.sharding(grad) is not None:
-            return
-        shardings: list[object | None] = state  # type: ignore[assignment]  # on_forward's
-        op_sharding = shardings[position]
-        if op_sharding is not None:
-            _xla.shard_like(grad, op_sharding)
-        elif _xla.is_xla_tensor(grad) and _xla.spmd_active():
-            _xla.warn_unsharded_gradient_once()
-
-
 class _XlaFsdpRecomputing(_hooks.CheckpointHook):
     """Tell XLA FSDP that a checkpointed block is being recomputed in backward, as torch_xla's
     own checkpoint does: XLA FSDP then skips resharding the parameters it is about to gather
     again (`torch_xla.utils.checkpoint.chkpt_status`)."""
 
     device_types = frozenset({"xla"})
+    library = "torch_xla.utils.checkpoint"  # XLA FSDP imports it; the flag lives there
 
     def replaying(self) -> AbstractContextManager[None]:
         return _xla.checkpoint_backward_status()
 
 
-_SPMD_OUTPUT_SHARDING = _SpmdOutputSharding()
 _hooks.install(_EagerFsdpUnits())
-_hooks.install(_SPMD_OUTPUT_SHARDING)
 _hooks.install(_XlaFsdpRecomputing())
-
-
-def _record_output_sharding(output: torch.Tensor) -> None:
-    """Record the sharding given to `output` after a checkpoint returned it.
-
-    SPMD FSDP annotates a unit's output once the unit returns, on an alias that module hooks
-    made of the checkpoint's output. This walks from `output` back through such pass-through
-    nodes to the checkpoint that produced it, so that its backward shards the gradient the
-    same way. An output that no checkpoint produced, or that has no sharding, is left alone.
-    """
-    op_sharding = _xla.sharding(output)
-    if op_sharding is None:
-        return
-    node, index = output.grad_fn, output.output_nr
-    for _ in range(_MAX_ALIAS_HOPS):
-        if node is None:
-            return
-        found = record_of(node, index)
-        if found is not None:
-            record, position = found
-            shardings = record.hook_state(_SPMD_OUTPUT_SHARDING)
-            if isinstance(shardings, list):
-                shardings[position] = op_sharding
-            return
-        if type(node).__name__ not in _PASS_THROUGH_NODES:
-            return
-        node, index = node.next_functions[index]
-
-
-# Autograd nodes that hand their inputs on unchanged, one output per input.
-_PASS_THROUGH_NODES = {"BackwardHookFunctionBackward", "AliasBackward0"}
-_MAX_ALIAS_HOPS = 4

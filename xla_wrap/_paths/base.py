@@ -41,6 +41,18 @@ class ExecutionPath(Protocol):
         """Whether `barrier()` may share `tensor`'s value with the caller's tensor."""
         ...
 
+    def note_outputs(self, outputs: Sequence[torch.Tensor]) -> list[object | None] | None:
+        """What the gradients of a block's `outputs` must get back after the barrier (their
+        layout: SPMD shardings on XLA), per output; None when there is nothing to keep."""
+        ...
+
+    def lay_out_gradients(
+        self, notes: list[object | None], positions: Sequence[int], grads: Sequence[torch.Tensor]
+    ) -> None:
+        """Give each barriered gradient, of output `positions[i]`, what `note_outputs()`
+        noted for that output."""
+        ...
+
     def warn_if_barriers_stripped(self, tensors: Sequence[torch.Tensor]) -> None:
         """Warn (once) if this path's compiler deletes barriers before they can act."""
         ...

@@ -33,6 +33,14 @@ class EagerPath:
     def rewritable(self, tensor: torch.Tensor) -> bool:
         return True
 
+    def note_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        return None  # an eager barrier is a no-op: nothing is lost across it
+
+    def lay_out_gradients(
+        self, notes: list[object | None], positions: Sequence[int], grads: Sequence[torch.Tensor]
+    ) -> None:
+        pass
+
     def warn_if_barriers_stripped(self, tensors: Sequence[torch.Tensor]) -> None:
         pass
 

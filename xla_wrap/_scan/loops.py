@@ -454,7 +454,7 @@ class _Scan:
     options: CheckpointOptions
     device: torch.device
     seed: int  # the per-call seed both loops' bodies start from
-    autocast: _engine.AutocastSnapshot
+    replay: _engine.ReplayState  # the forward's autocast settings (the seed is the scan's)
     selection: _selective.Selection | None
     kept_offload: list[bool] = field(default_factory=list)
     # Under SPMD: each carry tensor's sharding, which the stack of carries and the backward
@@ -482,7 +482,7 @@ class _Scan:
         """What both bodies trace under: the call's seed (torch_xla draws the per-iteration
         seeds from it after tracing) and the forward's autocast settings."""
         _xla.set_rng_state(self.device, self.seed)
-        with _engine.replay_autocast(self.autocast), torch.enable_grad():
+        with self.replay.replaying(), torch.enable_grad():
             yield
 
 
@@ -528,7 +528,7 @@ def _scan(stack: _LayerStack, carry: Flat, constants: Flat, options: CheckpointO
         options=options,
         device=device,
         seed=0,
-        autocast=_engine.capture_autocast(_paths.device_path(device)),
+        replay=_engine.ReplayState.capture(_paths.device_path(device), (), rng=False),
         selection=selection,
     )
     with _xla.call_seed(device) as seed:

@@ -9,8 +9,9 @@ libraries register (transformers registers its `ModelOutput`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,14 +40,24 @@ class Flat:
     spec: pytree.TreeSpec
     leaves: tuple[Any, ...]
     tensor_positions: tuple[int, ...]
+    # The structure as `_shape()` describes it, when it is made of plain tuples, lists and
+    # dicts only (every checkpointed call's arguments and most outputs): then it is taken apart
+    # and rebuilt without pytree, which costs more than the rest of a small block's checkpoint.
+    shape: object = field(default=None, compare=False)
 
     @classmethod
     def of(cls, value: Any) -> Flat:
-        leaves, spec = pytree.tree_flatten(value)
+        leaves: list[Any] = []
+        shape = _shape(value, leaves)
+        if shape is _NOT_PLAIN:
+            leaves, spec = pytree.tree_flatten(value)
+            shape = None
+        else:
+            spec = _spec(shape)
         positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
-        return cls(spec=spec, leaves=tuple(leaves), tensor_positions=positions)
+        return cls(spec=spec, leaves=tuple(leaves), tensor_positions=positions, shape=shape)
 
-    @property
+    @functools.cached_property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.leaves[i] for i in self.tensor_positions)
 
@@ -55,6 +66,8 @@ class Flat:
         leaves = list(self.leaves)
         for position, tensor in zip(self.tensor_positions, tensors, strict=True):
             leaves[position] = tensor
+        if self.shape is not None:
+            return _build(self.shape, iter(leaves))
         return pytree.tree_unflatten(leaves, self.spec)
 
     def without_tensors(self) -> Flat:
@@ -63,4 +76,53 @@ class Flat:
         leaves = list(self.leaves)
         for position in self.tensor_positions:
             leaves[position] = TensorMeta.of(leaves[position])
-        return Flat(spec=self.spec, leaves=tuple(leaves), tensor_positions=self.tensor_positions)
+        return Flat(self.spec, tuple(leaves), self.tensor_positions, self.shape)
+
+
+# The leaves `_shape()` knows pytree treats as leaves too; anything else goes to pytree.
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_LEAF = "leaf"
+_NOT_PLAIN = object()
+
+
+def _shape(value: Any, leaves: list[Any]) -> object:
+    """`value`'s structure, hashable (`_LEAF`, or the container's type with its children's
+    shapes, and a dict's keys), its leaves appended to `leaves`; `_NOT_PLAIN` if it holds any
+    other container (a namedtuple, an OrderedDict, a registered class), which pytree takes
+    apart its own way."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        children = []
+        for item in value:
+            child = _shape(item, leaves)
+            if child is _NOT_PLAIN:
+                return _NOT_PLAIN
+            children.append(child)
+        return (kind, tuple(children))
+    if kind is dict:
+        children = []
+        for item in value.values():
+            child = _shape(item, leaves)
+            if child is _NOT_PLAIN:
+                return _NOT_PLAIN
+            children.append(child)
+        return (dict, tuple(value), tuple(children))
+    if isinstance(value, torch.Tensor) or kind in _PLAIN_LEAVES:
+        leaves.append(value)
+        return _LEAF
+    return _NOT_PLAIN
+
+
+def _build(shape: Any, leaves: Iterator[Any]) -> Any:
+    """The value of structure `shape` with `leaves` at its leaves, in order."""
+    if shape is _LEAF:
+        return next(leaves)
+    if shape[0] is dict:
+        return {key: _build(child, leaves) for key, child in zip(shape[1], shape[2], strict=True)}
+    return shape[0](_build(child, leaves) for child in shape[1])
+
+
+@functools.cache
+def _spec(shape: Any) -> pytree.TreeSpec:
+    """pytree's spec of a value of structure `shape` (the same for every such value)."""
+    return pytree.tree_flatten(_build(shape, iter(lambda: 0, None)))[1]

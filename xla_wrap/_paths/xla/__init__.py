@@ -19,6 +19,7 @@ from .lowering import place_to_device as place_to_device
 from .lowering import place_to_host as place_to_host
 from .path import XLA as XLA
 from .path import XlaPath as XlaPath
+from .path import note_output_sharding as note_output_sharding
 from .rng import SEED_MASK as SEED_MASK
 from .rng import StepBaseSeed as StepBaseSeed
 from .rng import add_step_closure as add_step_closure

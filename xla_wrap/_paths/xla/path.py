@@ -10,7 +10,14 @@ import torch
 
 from ..._support.errors import CheckpointError
 from . import lowering, rng
-from .runtime import in_gradient_accumulation_loop, is_device_data, spmd_active, xla_devices
+from .runtime import (
+    in_gradient_accumulation_loop,
+    is_device_data,
+    is_xla_tensor,
+    spmd_active,
+    xla_devices,
+)
+from .sharding import shard_like, sharding, warn_unsharded_gradient_once
 
 XlaRng = tuple[tuple[torch.device, int], ...]  # the running seed of each XLA device
 
@@ -33,6 +40,25 @@ class XlaPath:
         # Under SPMD a program input (data, masks) rewritten by a barrier would come out of the
         # step with another sharding and recompile the next one.
         return not (spmd_active() and is_device_data(tensor))
+
+    def note_outputs(self, outputs: Sequence[torch.Tensor]) -> list[object | None] | None:
+        """Under SPMD, each output's sharding. XLA's sharding propagation does not pass through
+        an optimization barrier, so a barriered gradient carries none, and the partitioner
+        would then replicate the recomputation and gather its activations in full. A sharding
+        given to an output after the checkpoint returned it (FSDPv2 annotates a unit's output
+        then) is added later with `note_output_sharding()`."""
+        return [sharding(t) for t in outputs] if spmd_active() else None
+
+    def lay_out_gradients(
+        self, notes: list[object | None], positions: Sequence[int], grads: Sequence[torch.Tensor]
+    ) -> None:
+        for position, grad in zip(positions, grads, strict=True):
+            if sharding(grad) is not None:
+                continue
+            if notes[position] is not None:
+                shard_like(grad, notes[position])
+            elif is_xla_tensor(grad):
+                warn_unsharded_gradient_once()
 
     def warn_if_barriers_stripped(self, tensors: Sequence[torch.Tensor]) -> None:
         lowering.warn_if_barriers_stripped(tensors)
@@ -75,3 +101,10 @@ class XlaPath:
 
 
 XLA = XlaPath()
+
+
+def note_output_sharding(notes: object, position: int, op_sharding: object) -> None:
+    """Add to what `XlaPath.note_outputs()` noted the sharding given to output `position`
+    after the checkpoint returned it."""
+    if isinstance(notes, list):
+        notes[position] = op_sharding
