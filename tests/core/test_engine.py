@@ -4,10 +4,13 @@ tests/paths/test_xla.py."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import xla_wrap
@@ -183,3 +186,76 @@ def test_inputs_are_released_after_backward_while_the_loss_lives() -> None:
     del x
     # On XLA, a tensor kept alive with the loss becomes an output of every step.
     assert alive() is None and loss.grad_fn is not None
+
+
+class _Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+_LAYERS = {
+    "linear": lambda: nn.Linear(WIDTH, WIDTH),
+    "dropout": lambda: nn.Dropout(0.4),
+    "gelu": nn.GELU,
+    "tanh": nn.Tanh,
+    "layernorm": lambda: nn.LayerNorm(WIDTH),
+    "batchnorm": lambda: nn.BatchNorm1d(WIDTH),  # running statistics: updated once
+    "residual": lambda: _Residual(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.3))),
+}
+_HOW = ("checkpoint_wrapper", "checkpoint", "dots_saveable", "use_reentrant=True", "plain")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from(sorted(_LAYERS)), min_size=1, max_size=4),
+            st.sampled_from(_HOW),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    input_requires_grad=st.booleans(),
+)
+def test_random_models_match_the_unwrapped_model_bitwise(
+    blocks: list[tuple[list[str], str]], input_requires_grad: bool
+) -> None:
+    """Models drawn at random (Linear, Dropout, norms with and without running statistics,
+    residual blocks), each block checkpointed through a drawn entry point or not at all: the
+    loss, every gradient and every buffer equal the unwrapped model's bitwise, with Dropout."""
+    torch.manual_seed(0)
+    plain = nn.ModuleList(nn.Sequential(*(_LAYERS[n]() for n in names)) for names, _ in blocks)
+    plain.append(nn.Linear(WIDTH, 1))  # a head: the loss needs a gradient somewhere
+    blocks = [*blocks, (["head"], "plain")]
+    twin = copy.deepcopy(plain)
+    calls = []
+    for i, (_, how) in enumerate(blocks):
+        block = twin[i]
+        if how == "checkpoint_wrapper":
+            twin[i] = xla_wrap.checkpoint_wrapper(block)
+        calls.append(
+            {
+                "checkpoint": lambda b, h: xla_wrap.checkpoint(b, h),
+                "dots_saveable": lambda b, h: xla_wrap.checkpoint(b, h, policy="dots_saveable"),
+                "use_reentrant=True": lambda b, h: xla_wrap.checkpoint(b, h, use_reentrant=True),
+            }.get(how, lambda b, h: b(h))
+        )
+
+    def step(model: nn.ModuleList, checkpointed: bool) -> list[torch.Tensor]:
+        x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(input_requires_grad)
+        torch.manual_seed(7)
+        h = x
+        for block, call in zip(model, calls, strict=True):
+            h = call(block, h) if checkpointed else block(h)
+        loss = (h.tanh() ** 2).sum()
+        loss.backward()
+        grads = [x.grad] if input_requires_grad else []
+        return [loss, *grads, *(p.grad for p in model.parameters()), *model.buffers()]
+
+    for a, b in zip(step(plain, False), step(twin, True), strict=True):
+        assert torch.equal(a, b)

@@ -14,6 +14,7 @@ numbers.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -43,7 +44,6 @@ from .._support.errors import (
     CheckpointValueError,
     describe,
 )
-from .._support.state import process
 from ..wrap_policies import WrapPolicy
 from .checkpoint_plan import CheckpointPlan, options_for, summarize
 from .cost_model import (
@@ -62,6 +62,20 @@ _API = "xla_wrap.plan_checkpointing"
 # Compiles of candidate plans after the two anchors: the model is corrected after each.
 MAX_VERIFY_COMPILES = 3
 _MIB = 2**20
+
+
+class _PlannerState:
+    """The planner's own state, per process (the planner alone reads it): registries that only
+    grow."""
+
+    def __init__(self) -> None:
+        # Per model: the measured steps, by the step's fingerprint.
+        self.steps: weakref.WeakKeyDictionary[Any, dict[object, Any]] = weakref.WeakKeyDictionary()
+        # Lengths of fresh tensors, so that each measured step compiles a program of its own.
+        self.fresh_lengths = itertools.count(1)
+
+
+_state = _PlannerState()
 
 
 def plan_checkpointing(
@@ -611,7 +625,7 @@ class _Step:
         """The compiled peak and FLOPs of the step under `choices`: compiled now, or as
         compiled before for the same structure, inputs, loss and choices (planning the same
         model for another budget)."""
-        known = process.measured_steps.setdefault(self.model, {})
+        known = _state.steps.setdefault(self.model, {})
         key = self._key(choices)
         if key in known:
             self.say(f"{what}: compiled before, peak {known[key].peak_bytes / _MIB:.1f} MiB")
@@ -648,7 +662,7 @@ class _Step:
             value.backward()
             # An extra output of a new length, so that XLA compiles the step afresh (a step
             # compiled before comes from the cache, and caches report no buffer assignment).
-            fresh = torch.zeros(next(process.fresh_lengths), device=self.device)
+            fresh = torch.zeros(next(_state.fresh_lengths), device=self.device)
             _xla.sync()
             del fresh
 

@@ -138,7 +138,9 @@ def run_scan(
     if isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)) and not layers:
         return args[0]  # a loop over no layer leaves the carry as it came (torch_xla's too)
     if _paths.compiling():
-        return compiled_loop(api, list(layers), args, kwargs, options)
+        # The compiler's loop: each layer its own module as the compiler's checkpoint (no
+        # template, so nothing to check the layers alike for).
+        return _loop(api, list(layers), args, kwargs, options)
     stack = _LayerStack.of(layers, api)
     if stack.wrapped_options is not None and policy is None and not offload_to_cpu:
         options = stack.wrapped_options
@@ -152,7 +154,7 @@ def run_scan(
     params = [p for layer in layers for p in layer.parameters()]
     on_xla = any(_xla.is_xla_tensor(t) for t in (*carry.tensors, *params))
     if not on_xla or checkpointing_disabled():  # the loop: its checkpoints are plain calls then
-        return _loop(stack, args, kwargs, options)
+        return _loop(api, stack.layers, args, kwargs, options, stack=stack)
     return _scan(stack, carry, constants, options)
 
 
@@ -372,52 +374,45 @@ def _xla_fsdp_v1_class() -> type | None:
 
 
 def _loop(
-    stack: _LayerStack, args: tuple[Any, ...], kwargs: dict[str, Any], options: CheckpointOptions
+    api: str,
+    layers: Sequence[nn.Module],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: CheckpointOptions,
+    *,
+    stack: _LayerStack | None = None,
 ) -> Any:
-    """Off XLA: the loop itself, each layer checkpointed (in stacked storage, each layer run
-    on its slices of the stacked parameters, which the checkpoint takes as inputs)."""
+    """The loop itself, each layer checkpointed (`checkpoint_layer()`): off XLA, inside
+    `torch.compile` (no `stack`: the layers are not checked alike there), and under
+    `disable_checkpointing()`. In stacked storage each layer runs on its slices of the stacked
+    parameters, which its checkpoint takes as inputs."""
     carry, rest = args[0], args[1:]
-    slices = stack.layer_slices() if stack.stacked_storage else None
-    for index, layer in enumerate(stack.layers):
-        if slices is None:
-            forward, call_kwargs = stack.own_forward(index), kwargs
-        else:
-            forward = functools.partial(_run_slot, stack, index)
-            call_kwargs = {**kwargs, _SLICES: slices[index]}
+    slices = stack.layer_slices() if stack is not None and stack.stacked_storage else None
+    for index, layer in enumerate(layers):
         given = Flat.of(carry)
-        carry = run_checkpointed(
-            _API, forward, (carry, *rest), call_kwargs, owners=(layer,), options=options
-        )
+        if stack is None or slices is None:
+            carry = checkpoint_layer(api, layer, (carry, *rest), kwargs, options, stack, index)
+        else:
+            run = functools.partial(_run_on_slices, stack, index)
+            inputs = (slices[index], carry, *rest)  # the slices: inputs of the checkpoint
+            carry = run_checkpointed(api, run, inputs, kwargs, owners=(layer,), options=options)
         _check_carry(given, given.tensors, Flat.of(carry))  # refused as on XLA
     return carry
 
 
-def compiled_loop(
+def checkpoint_layer(
     api: str,
-    layers: list[nn.Module],
+    layer: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: CheckpointOptions,
+    stack: _LayerStack | None = None,
+    index: int = 0,
 ) -> Any:
-    """Inside `torch.compile`: the loop, each layer checkpointed as the compiler's
-    checkpoint (`compiled_layer()`)."""
-    carry = args[0]
-    for index in range(len(layers)):
-        carry = compiled_layer(api, layers, index, options, carry, *args[1:], **kwargs)
-    return carry
-
-
-def compiled_layer(
-    api: str,
-    layers: Sequence[nn.Module],
-    index: int,
-    options: CheckpointOptions,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """Layer `index` inside `torch.compile`: its own module, no template, so nothing to
-    check the layers alike for."""
-    if _stacked.slot(layers[0]) is not None:
+    """One layer of a scanned stack run as the Python loop runs it: its own forward as a
+    checkpoint (the compiler's, inside `torch.compile`), watched for reads of attributes in
+    which the layers differ when `stack` is given (layer `index` of it)."""
+    if _paths.compiling() and _stacked.slot(layer) is not None:
         raise CheckpointValueError(
             f"{api}: stacked parameters (stack_parameters=True) are not supported inside "
             "torch.compile yet: a layer would run on its slices through a reparametrization "
@@ -425,22 +420,23 @@ def compiled_layer(
             "parameters (xla_wrap.unscan, then ScannedLayers/apply_scan without "
             "stack_parameters), or keep stacked parameters on torch_xla's lazy tensors."
         )
-    forward = _own_forward(layers[index])
-    return run_checkpointed(api, forward, args, kwargs, owners=(), options=options)
+    forward = _own_forward(layer) if stack is None else stack.own_forward(index)
+    return run_checkpointed(api, forward, args, kwargs, owners=(layer,), options=options)
 
 
-_SLICES = "_xla_wrap_parameter_slices"  # the keyword that hands _run_slot its layer's slices
-
-
-def _run_slot(stack: _LayerStack, index: int, carry: Any, *args: Any, **kwargs: Any) -> Any:
-    params = kwargs.pop(_SLICES)
-    # The layer's own module, not the template: what it reads later, in backward (a tensor
-    # hook), is then its own; its forward refuses what the template's would.
+def _run_on_slices(
+    stack: _LayerStack,
+    index: int,
+    params: Sequence[torch.Tensor],
+    carry: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Layer `index` on `params`, its slices of the stacked parameters. The layer's own
+    module, not the template: what it reads later, in backward (a tensor hook), is then its
+    own; its forward refuses what the template's would."""
     with stack.watching(index):
         return stack.call(carry, args, kwargs, [*params, *stack.buffers_of(index)], index=index)
-
-
-# --- on XLA: two While loops under one autograd Function ---------------------------------
 
 
 @dataclass
@@ -490,7 +486,7 @@ def _check_carry(spec: Flat, carry: Sequence[torch.Tensor], out: Flat) -> None:
     """Refuse a layer's output that is not its carry's structure (`spec`, `carry`)."""
     expected = [TensorMeta.of(t) for t in carry]
     got = [TensorMeta.of(t) for t in out.tensors]
-    if out.spec != spec.spec or got != expected:
+    if not out.same_structure(spec) or got != expected:
         raise CheckpointTypeError(
             f"{_API}: expected each layer to return its carry's structure "
             f"({_shape_of(spec, expected)}), got {_shape_of(out, got)}. A scanned "

@@ -24,7 +24,7 @@ from .._core.options import make_options
 from .._support.checks import check_module
 from .._support.errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from . import stacked_parameters as _stacked
-from .loops import _LayerStack, compiled_layer, run_scan
+from .loops import _LayerStack, checkpoint_layer, run_scan
 
 M = TypeVar("M", bound=nn.Module)
 _OPTIONS = "_xla_wrap_scan_options"
@@ -98,8 +98,10 @@ class ScannedLayers(nn.ModuleList):
         layers = list(self._modules.values())
         if not layers:
             return iter(())
-        if _paths.compiling():  # each layer, checkpointed as the compiler's checkpoint
-            return iter(_compiled_layers(self, layers))
+        if _paths.compiling():  # the compiler's loop: each layer as the loop runs it
+            options = make_options("xla_wrap.ScannedLayers", **self.scan_options)
+            compiled: list[Any] = [_CompiledStage(layer, options) for layer in layers]
+            return iter(compiled)
         run = _StackRun(lambda args, kwargs: self._run_stack(layers, args, kwargs))
         stand_ins: list[Any] = [_Stage(run, i, layer) for i, layer in enumerate(layers)]
         return iter(stand_ins)
@@ -123,27 +125,19 @@ class ScannedLayers(nn.ModuleList):
         )
 
 
-def _compiled_layers(scanned: ScannedLayers, layers: list[nn.Module]) -> list[Any]:
-    """What a loop over a scanned list calls inside `torch.compile`: each layer, run alone
-    as the compiler's checkpoint."""
-    options = make_options("xla_wrap.ScannedLayers", **scanned.scan_options)
-    return [_CompiledStage(layers, index, options) for index in range(len(layers))]
-
-
 class _CompiledStage:
-    """Layer `index` of a scanned list inside `torch.compile`: called, the layer as the
-    compiler's checkpoint; otherwise the layer (`layer.attention_type` and the like)."""
+    """A layer of a scanned list inside `torch.compile`: called, the loop's checkpointed
+    layer (`checkpoint_layer()`); otherwise the layer (`layer.attention_type` and the like)."""
 
-    def __init__(self, layers: list[nn.Module], index: int, options: Any) -> None:
+    def __init__(self, layer: nn.Module, options: Any) -> None:
         # Private names: any other attribute is the layer's.
-        self._layers, self._index, self._options = layers, index, options
+        self._layer, self._options = layer, options
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._layers[self._index], name)
+        return getattr(self._layer, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        api = "xla_wrap.ScannedLayers"
-        return compiled_layer(api, self._layers, self._index, self._options, *args, **kwargs)
+        return checkpoint_layer("xla_wrap.ScannedLayers", self._layer, args, kwargs, self._options)
 
 
 class _StackRun:

@@ -1,14 +1,18 @@
-"""The package's mutable state, declared in one place.
+"""The package's shared mutable state: what more than one room reads.
 
 Per thread (`local`): what the calling thread is doing right now. Every field is changed
-only by a context manager that puts the previous value back in `finally` (the RNG step tables
-are the exception: a step closure updates them at the step marker they belong to), so an
-exception cannot leave a flag stuck and two threads never see each other's checkpoints.
+only by a context manager that puts the previous value back in `finally`, so an exception
+cannot leave a flag stuck and two threads never see each other's checkpoints.
 
 Per process (`process`): registries that only grow, each written in one place: the
 installed checkpoint hooks (xla_wrap/_core/hooks.py), the checkpointed class made for each
-module class (xla_wrap/_core/wrapper.py), the planner's measured steps and fresh-tensor lengths
-(xla_wrap/_plan/planner.py), and the warnings already given (xla_wrap/_support/warn.py).
+module class (xla_wrap/_core/wrapper.py), and the warnings already given
+(xla_wrap/_support/warn.py).
+
+State one room alone reads lives in that room, declared at the top of its module: XLA's
+per-step seed tables (xla_wrap/_paths/xla/rng.py, `_SeedTables`, per thread; a step closure
+empties them at the step marker they belong to) and the planner's measured steps
+(xla_wrap/_plan/planner.py, `_PlannerState`).
 
 Kept elsewhere, by design: per-process probes cached with `functools.cache` whose answer
 cannot change (XLA flags and ops: xla_wrap/_paths/xla/), the recording classes made for
@@ -22,9 +26,7 @@ transformers' checkpoint function (xla_wrap/integrations/transformers.py) and th
 
 from __future__ import annotations
 
-import itertools
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,12 +45,6 @@ class ThreadState(threading.local):
         self.selections: list[Any] = []
         # Emit host-placement annotations even where the backend cannot run them (HLO reading).
         self.annotate_offload_anywhere = False
-        # Per XLA device: the base seed of the current step and the last seed a replay wrote;
-        # see xla_wrap/_paths/xla/rng.py.
-        self.step_seeds: dict[Any, Any] = {}
-        # Per XLA device: the base seed a step closure saw the next step start from; see
-        # xla_wrap/_paths/xla/rng.py.
-        self.next_base_seeds: dict[Any, int] = {}
 
 
 local = ThreadState()
@@ -62,12 +58,6 @@ class ProcessState:
         self.hooks: tuple[Any, ...] = ()
         # The checkpointed class made for each module class (one per class, reused).
         self.checkpointed_classes: dict[type, type] = {}
-        # Per model: the planner's measured steps, by the step's fingerprint.
-        self.measured_steps: weakref.WeakKeyDictionary[Any, dict[object, Any]] = (
-            weakref.WeakKeyDictionary()
-        )
-        # Lengths of fresh tensors, so that each measured step compiles a program of its own.
-        self.fresh_lengths = itertools.count(1)
         # The keys of the warn-once warnings already given.
         self.warned: set[Any] = set()
 

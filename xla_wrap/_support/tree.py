@@ -9,9 +9,8 @@ libraries register (transformers registers its `ModelOutput`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,27 +36,38 @@ class TensorMeta:
 class Flat:
     """A nested value taken apart: its structure, its leaves, and which leaves are tensors."""
 
-    spec: pytree.TreeSpec
+    # The structure: as `_shape()` describes it when the value is made of plain tuples, lists
+    # and dicts only (every checkpointed call's arguments and most outputs: taken apart and
+    # rebuilt without pytree, which costs more than the rest of a small block's checkpoint),
+    # else pytree's spec.
+    structure: object
     leaves: tuple[Any, ...]
     tensor_positions: tuple[int, ...]
-    # The structure as `_shape()` describes it, when it is made of plain tuples, lists and
-    # dicts only (every checkpointed call's arguments and most outputs): then it is taken apart
-    # and rebuilt without pytree, which costs more than the rest of a small block's checkpoint.
-    shape: object = field(default=None, compare=False)
 
     @classmethod
     def of(cls, value: Any) -> Flat:
         leaves: list[Any] = []
-        shape = _shape(value, leaves)
-        if shape is _NOT_PLAIN:
-            leaves, spec = pytree.tree_flatten(value)
-            shape = None
-        else:
-            spec = _spec(shape)
+        structure = _shape(value, leaves)
+        if structure is _NOT_PLAIN:
+            leaves, structure = pytree.tree_flatten(value)
         positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
-        return cls(spec=spec, leaves=tuple(leaves), tensor_positions=positions, shape=shape)
+        return cls(structure, tuple(leaves), positions)
 
-    @functools.cached_property
+    @property
+    def spec(self) -> pytree.TreeSpec:
+        """pytree's spec of the structure."""
+        if isinstance(self.structure, pytree.TreeSpec):
+            return self.structure
+        return pytree.tree_flatten(_build(self.structure, iter(lambda: 0, None)))[1]
+
+    def same_structure(self, other: Flat) -> bool:
+        """Whether `other` has this structure (as pytree sees it)."""
+        plain = not isinstance(self.structure, pytree.TreeSpec)
+        if plain == (not isinstance(other.structure, pytree.TreeSpec)):
+            return self.structure == other.structure
+        return self.spec == other.spec
+
+    @property  # not cached_property: its lock is a context manager Dynamo cannot trace
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.leaves[i] for i in self.tensor_positions)
 
@@ -66,9 +76,9 @@ class Flat:
         leaves = list(self.leaves)
         for position, tensor in zip(self.tensor_positions, tensors, strict=True):
             leaves[position] = tensor
-        if self.shape is not None:
-            return _build(self.shape, iter(leaves))
-        return pytree.tree_unflatten(leaves, self.spec)
+        if isinstance(self.structure, pytree.TreeSpec):
+            return pytree.tree_unflatten(leaves, self.structure)
+        return _build(self.structure, iter(leaves))
 
     def without_tensors(self) -> Flat:
         """The same structure with each tensor leaf replaced by its `TensorMeta`, so
@@ -76,7 +86,7 @@ class Flat:
         leaves = list(self.leaves)
         for position in self.tensor_positions:
             leaves[position] = TensorMeta.of(leaves[position])
-        return Flat(self.spec, tuple(leaves), self.tensor_positions, self.shape)
+        return Flat(self.structure, tuple(leaves), self.tensor_positions)
 
 
 # The leaves `_shape()` knows pytree treats as leaves too; anything else goes to pytree.
@@ -120,9 +130,3 @@ def _build(shape: Any, leaves: Iterator[Any]) -> Any:
     if shape[0] is dict:
         return {key: _build(child, leaves) for key, child in zip(shape[1], shape[2], strict=True)}
     return shape[0](_build(child, leaves) for child in shape[1])
-
-
-@functools.cache
-def _spec(shape: Any) -> pytree.TreeSpec:
-    """pytree's spec of a value of structure `shape` (the same for every such value)."""
-    return pytree.tree_flatten(_build(shape, iter(lambda: 0, None)))[1]

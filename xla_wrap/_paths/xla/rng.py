@@ -11,12 +11,13 @@ handling of XLA seeds lives in this file.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from ..._support.state import local
 from .runtime import loaded
 
 # XLA advances each device's base seed at every step marker with this affine map
@@ -91,12 +92,26 @@ def replay(device: torch.device, seed: int) -> Iterator[None]:
 _DRAWS_LOOKED_BACK = 4096
 
 
+class _SeedTables(threading.local):
+    """Per thread (each thread replays its own steps): the seeds a step's replays keep. The
+    only mutable state of this room; `StepBaseSeed` fills and empties it."""
+
+    def __init__(self) -> None:
+        # Per XLA device: the base seed of the current step and the last seed a replay wrote.
+        self.step_seeds: dict[Any, StepBaseSeed] = {}
+        # Per XLA device: the base seed a step closure saw the next step start from.
+        self.next_base_seeds: dict[Any, int] = {}
+
+
+_tables = _SeedTables()
+
+
 def base_seed_of_step(device: torch.device) -> int:
     """The base seed of the device's current step. Reading it from the device waits for the
     work queued on it (the previous step's execution, under SPMD on XLA:CPU: 0.5 s a step),
     so the seed the last step's closure kept is used when the running seed is that seed
     advanced by the step's draws so far (a user's reseed since breaks the chain)."""
-    kept = local.next_base_seeds.pop(device, None)
+    kept = _tables.next_base_seeds.pop(device, None)
     if kept is not None:
         running, seed = rng_state(device), kept
         for _ in range(_DRAWS_LOOKED_BACK):
@@ -110,9 +125,8 @@ class StepBaseSeed:
     """Per device and thread: the base seed of the current step, from the first replay in the
     step until the step marker, and the last seed a replay wrote.
 
-    The table is thread-local (`xla_wrap._support.state.local`), filled by the first replay
-    of a step and emptied by the step closure that replay registers, so it cannot outlive its
-    step.
+    The table is thread-local (`_SeedTables`), filled by the first replay of a step and
+    emptied by the step closure that replay registers, so it cannot outlive its step.
     """
 
     def __init__(self, base: int) -> None:
@@ -121,12 +135,11 @@ class StepBaseSeed:
 
     @classmethod
     def _table(cls) -> dict[torch.device, StepBaseSeed]:
-        table: dict[torch.device, StepBaseSeed] = local.step_seeds
-        return table
+        return _tables.step_seeds
 
     @classmethod
     def remember(cls, device: torch.device) -> None:
-        table, next_bases = cls._table(), local.next_base_seeds  # the replaying thread's
+        table, next_bases = cls._table(), _tables.next_base_seeds  # the replaying thread's
         if device in table:
             return
         table[device] = entry = cls(base_seed_of_step(device))
