@@ -7,6 +7,7 @@ face.
 """
 
 from ._inspect.hlo import BufferAssignment, parse_buffer_assignment
+from ._paths import device_path
 from ._paths.compiled.openxla import barrier_node, place_barriers
 from ._paths.xla import (
     KEEP_BARRIERS_FLAG,
@@ -33,6 +34,7 @@ __all__ = [
     "annotating_offload_on_any_backend",
     "apply_choices",
     "barrier_node",
+    "device_path",
     "forget_warnings",
     "is_device_data",
     "measure_choices",

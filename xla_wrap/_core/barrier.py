@@ -1,4 +1,5 @@
-"""Optimization barriers that keep autograd intact.
+"""The public optimization barrier, which keeps autograd intact. (The checkpoint's own barrier
+is the engine's Rule 1, xla_wrap/_core/engine.py.)
 
 `xm.optimization_barrier` returns detached tensors, so a loss computed after it gets no
 gradients (examples/digits_barrier.py: MNIST stuck at chance). Here the barrier is an autograd

@@ -12,8 +12,8 @@ made it; that is where the saving in compute comes from.
 
 The mode works above autograd, on the functions the block calls. A `TorchDispatchMode` (what
 PyTorch's selective checkpointing uses) would see the functionalized inner tensors on XLA
-instead. Nested checkpoints each apply their own policy: a selection acts only while its own
-checkpoint is the innermost one running.
+instead. Nested checkpoints each apply their own policy (the engine's Rule 3,
+xla_wrap/_core/engine.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class EagerPath:
     name = "eager"
     autocast_device_types: tuple[str, ...] = ("cpu", "cuda")
     barriers = False  # eager execution has nothing to reorder
-    stops_early = True  # nothing else needs the rest of the recomputed block
+    stops_early = True  # the engine's Rule 5 (xla_wrap/_core/engine.py)
 
     def barrier(
         self, tensors: Sequence[torch.Tensor], in_place: Sequence[bool]

@@ -26,10 +26,7 @@ class XlaPath:
     name = "xla"
     autocast_device_types: tuple[str, ...] = ("xla",)
     barriers = True
-    # The rest of a recomputed block is dead code the compiler drops; stopping early would
-    # leave wrappers inside the block mid-forward (XLA FSDP's state machine then refuses the
-    # next backward hook).
-    stops_early = False
+    stops_early = False  # the engine's Rule 5 says why (xla_wrap/_core/engine.py)
 
     def barrier(
         self, tensors: Sequence[torch.Tensor], in_place: Sequence[bool]
