@@ -3,7 +3,7 @@
 xla_wrap promises that a checkpointed model trains exactly like the unwrapped one: on eager CPU
 the loss and every parameter gradient are bitwise equal, with Dropout active, for every
 transformers architecture that supports gradient checkpointing. This file checks that promise
-for the default engine (the non-reentrant one) on decoder-only, encoder-only and
+for xla_wrap's engine on decoder-only, encoder-only and
 encoder-decoder models (text and speech), each built tiny from a config (no downloads), in
 train mode, with every dropout probability of its config set to 0.1. It checks it two ways:
 
@@ -14,11 +14,9 @@ train mode, with every dropout probability of its config set to 0.1. It checks i
 
 Each test also asserts that every layer was recomputed in backward (a forward hook on the
 layer's submodules reads :func:`xla_wrap.is_recomputing`), so it cannot pass by checkpointing
-nothing. The reentrant engine (``use_reentrant=True``) is not held to this: on the five
-encoder-decoders it sums the gradient of the encoder's output, which the cross-attention of
-every decoder layer reads, in another order than autograd does, and the encoder's gradients
-differ in the last bits (about 3e-7 relative); that is why it is not the default
-(docs/policies.md).
+nothing. (The reentrant engine xla_wrap had before was not held to this: on the five
+encoder-decoders it summed the gradient of the encoder's output, which the cross-attention of
+every decoder layer reads, in another order than autograd does; docs/policies.md.)
 """
 
 from __future__ import annotations
@@ -329,7 +327,7 @@ def _assert_each_layer_recomputed(calls: list[list[tuple[str, bool]]], layers: i
         forward = [name for name, again in record if not again]
         recomputed = [name for name, again in record if again]
         assert record == [(n, False) for n in forward] + [(n, True) for n in recomputed]
-        # Recomputed from the start of the layer; the non-reentrant engine may stop early, once
+        # Recomputed from the start of the layer; the engine may stop early (its Rule 5), once
         # the last tensor saved for backward exists again.
         assert forward and recomputed and recomputed == forward[: len(recomputed)]
 

@@ -1,2 +1,3 @@
-"""The checkpoint core: options, the forward's record, both engines, save-policy selection, the
-barrier, RNG replay, offload, the wrapper, and applying it to a model."""
+"""The checkpoint core: the engine (engine.py, its rules at its head), where a checkpoint
+starts (checkpoint.py), options, save-policy selection, the modules' tensors, the public
+barrier, the wrapper, and applying it to a model."""

@@ -80,7 +80,7 @@ class Selection:
     ) -> Iterator[None]:
         """Run the recomputation: kept occurrences hand out `kept` (barriered copies).
 
-        The engines differentiate the forward's own graph, so a substitute is a new leaf.
+        The engine differentiates the forward's own graph, so a substitute is a new leaf.
         With `connected` (a recomputation that is differentiated itself, as in a scanned
         stack) a substitute passes its gradient on to the recomputed operation, whose unread
         value XLA then drops.

@@ -2,7 +2,7 @@
 
 Eager CPU, one thread (`torch.set_num_threads(1)`, for less noise). A stack of residual blocks
 `x + Linear(Dropout(GELU(Linear(x))))`, batch 8, three ways in one process: unwrapped, each
-block wrapped by PyTorch's `checkpoint_wrapper` (non-reentrant, its default) and each by
+block wrapped by PyTorch's `checkpoint_wrapper` (its default, non-reentrant engine) and each by
 [`xla_wrap.checkpoint_wrapper()`][xla_wrap.checkpoint_wrapper]. The same weights (copies of
 one model) and the same seed before every step. Steps (zero the gradients, forward,
 `.sum().backward()`) alternate between the variants, after warm-up steps, and each variant's
