@@ -3,12 +3,13 @@
 Builds a pre-LayerNorm transformer stack and compiles its training step with torch_xla's
 Dynamo backends, in one process: without checkpointing on ``backend="openxla"``, every block
 checkpointed on ``backend="openxla"`` (recomputes, saves nothing: XLA runs every recomputation
-at the start of the backward program), and every block checkpointed on
-``backend=xla_wrap.openxla_backend`` (a barrier orders each block's recomputation after its
-gradient), recomputing everything or keeping the matrix products (``dots_saveable``). For
-each it prints the compiled step's peak (XLA's buffer assignment of its largest program,
-barriers kept), the dot products and barriers of that program, and whether loss and
-gradients equal the eager uncheckpointed model's.
+at the start of the backward program), on ``openxla`` with TorchTPU's barrier placement (one
+after each recomputed leaf node, written from its description), on
+``backend=xla_wrap.openxla_backend`` (one barrier per block, tied to the gradient arriving at
+it), with both placements, and on ``openxla_backend`` keeping the matrix products
+(``dots_saveable``). For each it prints the compiled step's peak (XLA's buffer assignment of
+its largest program, barriers kept), the dot products and barriers of that program, and
+whether loss and gradients equal the eager uncheckpointed model's.
 
     python examples/compiled_openxla.py                  # 4 blocks, width 64, about a minute
     python examples/compiled_openxla.py --blocks 2 --dim 32 --seq 32
@@ -40,9 +41,10 @@ def main() -> None:
     import torch.nn.functional as F
     import torch_xla
     from torch import nn
+    from torch._dynamo.backends.common import aot_autograd
 
     import xla_wrap
-    from xla_wrap import introspect
+    from xla_wrap import internal, introspect
 
     introspect.enable_compile_dumps()
     device = torch_xla.device()
@@ -84,10 +86,25 @@ def main() -> None:
     def ours_dots(model: nn.Module) -> None:
         xla_wrap.apply_activation_checkpointing(model, is_block, policy="dots_saveable")
 
+    # TorchTPU's placement on openxla: its backward compiler puts a barrier after each
+    # recomputed leaf node, then compiles as openxla does.
+    settings = dict(torch._dynamo.lookup_backend("openxla").kwargs)
+    compile_backward = settings.get("bw_compiler") or settings["fw_compiler"]
+
+    def leaf_backward(graph_module: torch.fx.GraphModule, inputs: list) -> object:
+        internal.leaf_barriers(graph_module, internal.xla_barrier)
+        return compile_backward(graph_module, inputs)
+
+    leaves = aot_autograd(**{**settings, "bw_compiler": leaf_backward})
+    # xla_wrap's region barriers handed to that backend: placed before its own leaf pass.
+    both = xla_wrap.with_region_barriers(leaves, barrier=internal.xla_barrier)
+
     variants = [
         ("no checkpointing", None, "openxla"),
         ("xla_wrap, openxla", ours, "openxla"),
+        ("xla_wrap, leaf barriers", ours, leaves),
         ("xla_wrap, openxla_backend", ours, xla_wrap.openxla_backend),
+        ("xla_wrap, region + leaf", ours, both),
         ("dots_saveable, openxla_backend", ours_dots, xla_wrap.openxla_backend),
     ]
     rows = []

@@ -22,6 +22,8 @@ from ._core.selective import checkpoint_name as checkpoint_name
 from ._core.wrapper import CheckpointWrapper as CheckpointWrapper
 from ._core.wrapper import checkpoint_wrapper as checkpoint_wrapper
 from ._core.wrapper import unwrap as unwrap
+from ._paths.compiled.barriers import region_barriers as region_barriers
+from ._paths.compiled.barriers import with_region_barriers as with_region_barriers
 from ._paths.compiled.openxla import openxla_backend as openxla_backend
 from ._plan.checkpoint_plan import CheckpointPlan as CheckpointPlan
 from ._plan.planner import plan_checkpointing as plan_checkpointing
@@ -79,8 +81,10 @@ __all__ = [
     "openxla_backend",
     "optimization_barrier",
     "plan_checkpointing",
+    "region_barriers",
     "scan_layers",
     "unscan",
     "unwrap",
+    "with_region_barriers",
     "wrap_policies",
 ]

@@ -8,7 +8,8 @@ face.
 
 from ._inspect.hlo import BufferAssignment, parse_buffer_assignment
 from ._paths import device_path
-from ._paths.compiled.openxla import barrier_node, place_barriers
+from ._paths.compiled.barriers import leaf_barriers
+from ._paths.compiled.openxla import xla_barrier
 from ._paths.xla import (
     KEEP_BARRIERS_FLAG,
     annotating_offload_on_any_backend,
@@ -33,20 +34,20 @@ __all__ = [
     "BufferAssignment",
     "annotating_offload_on_any_backend",
     "apply_choices",
-    "barrier_node",
     "device_path",
     "forget_warnings",
     "is_device_data",
+    "leaf_barriers",
     "measure_choices",
     "modelled_peak",
     "objective",
     "parse_buffer_assignment",
     "per_layer_gradients",
-    "place_barriers",
     "repeated_blocks",
     "sharding",
     "solve",
     "summarize",
     "tiled_sharding",
+    "xla_barrier",
     "xla_rng",
 ]

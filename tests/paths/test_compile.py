@@ -9,7 +9,7 @@ import copy
 import functools
 import importlib.util
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -452,54 +452,156 @@ def test_offload_inside_compile_is_refused_naming_the_way_out() -> None:
 # --- torch_xla's Dynamo backend -----------------------------------------------------------------
 
 
-def _barriered_graphs(model: nn.Module) -> tuple[list[int], fx.GraphModule]:
-    """The step on aot_eager with barriers placed in its backward graph: how many per backward
-    graph, and the last backward graph."""
+@torch.library.custom_op("xla_wrap_tests::barrier", mutates_args=())
+def _stand_in_barrier(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A barrier operation as TorchTPU registers its own: a list of tensors in, the same
+    values out (copies: a custom operation may not return its inputs)."""
+    return [t.clone() for t in tensors]
+
+
+@_stand_in_barrier.register_fake
+def _(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
+_BARRIER = torch.ops.xla_wrap_tests.barrier.default
+
+
+def _recording_backend(
+    passes: Callable[[fx.GraphModule], Any] | None = None,
+) -> tuple[Any, list[fx.GraphModule], list[fx.GraphModule]]:
+    """An AOTAutograd backend on eager CPU that keeps its forward and backward graphs (after
+    `passes`, run on the backward), as a compiler of one's own would see them."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from xla_wrap.internal import place_barriers
+    forwards: list[fx.GraphModule] = []
+    backwards: list[fx.GraphModule] = []
 
-    placed, graphs = [], []
-
-    def backward(graph_module: fx.GraphModule, inputs: Any) -> Any:
-        placed.append(place_barriers(graph_module))
-        graphs.append(graph_module)
+    def forward(graph_module: fx.GraphModule, inputs: Any) -> Any:
+        forwards.append(graph_module)
         return make_boxed_func(graph_module.forward)
 
-    backend = aot_autograd(
-        fw_compiler=lambda gm, inputs: make_boxed_func(gm.forward), bw_compiler=backward
+    def backward(graph_module: fx.GraphModule, inputs: Any) -> Any:
+        if passes is not None:
+            passes(graph_module)
+        backwards.append(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    return aot_autograd(fw_compiler=forward, bw_compiler=backward), forwards, backwards
+
+
+def _barriered_graphs(model: nn.Module) -> tuple[list[int], fx.GraphModule]:
+    """The step on an eager backend with region barriers placed in its backward graph: how
+    many per backward graph, and the last backward graph."""
+    placed: list[int] = []
+    backend, _, backwards = _recording_backend(
+        lambda gm: placed.append(xla_wrap.region_barriers(gm, _BARRIER))
     )
     expected = _step(copy.deepcopy(model), None)
     got = _step(model, backend)
     _assert_same_step(expected, got, exact=True)
-    return placed, graphs[-1]
+    return placed, backwards[-1]
+
+
+def _from_tangents(graph: fx.GraphModule) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    for node in graph.graph.nodes:
+        if node.name.startswith("tangents") or set(node.all_input_nodes) & found:
+            found.add(node)
+    return found
 
 
 def test_each_recomputed_block_waits_behind_a_barrier_for_its_gradient() -> None:
     """The backward graph's pass, on eager CPU (both torch versions): one barrier per
     checkpointed block; it takes a value computed from the incoming gradient, every value the
     recomputation reads from outside comes through it, and the step is unchanged."""
-    from xla_wrap.internal import barrier_node
-
     _, twin = _wrapped("apply_activation_checkpointing", dropout=0.1)
     placed, graph = _barriered_graphs(twin)
     blocks = len(Stack().blocks)
     assert placed == [blocks]
-    from_tangents: set[fx.Node] = set()
-    for node in graph.graph.nodes:
-        if node.name.startswith("tangents") or set(node.all_input_nodes) & from_tangents:
-            from_tangents.add(node)
-    barriers = [n for n in graph.graph.nodes if n.target is barrier_node]
+    from_tangents = _from_tangents(graph)
+    barriers = [n for n in graph.graph.nodes if n.target is _BARRIER]
     assert len(barriers) == blocks
-    assert all(set(b.args) & (from_tangents - {b}) for b in barriers)
-    # every output is read (XLA drops unread ones), the gradient's by the backward
-    assert all(len(b.users) == len(b.args) for b in barriers)
+    assert all(set(b.args[0]) & (from_tangents - {b}) for b in barriers)
+    # every output is read (a compiler drops unread ones), the gradient's by the backward
+    assert all(len(b.users) == len(b.args[0]) for b in barriers)
     assert all(output.users for b in barriers for output in b.users)
     recomputed = [n for n in graph.graph.nodes if n.meta.get("recompute") is not None]
     assert recomputed and not any(
         i.op == "placeholder" for n in recomputed for i in n.all_input_nodes
     )
+
+
+def test_with_region_barriers_wraps_a_registered_backend_by_name_and_runs_on_backward_only() -> (
+    None
+):
+    """What a TorchTPU user would do, with stand-ins: a barrier operation registered by name
+    and an AOTAutograd backend registered by name. The pass runs on the backward graph only,
+    with the given operation, once per checkpointed block; gradients are the eager ones."""
+    backend, forwards, backwards = _recording_backend()
+    name = "xla_wrap_tests_stand_in"
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(backend, name=name)
+    plain, twin = _wrapped("checkpoint_wrapper", dropout=0.1)
+    wrapped_backend = xla_wrap.with_region_barriers(name, barrier=_BARRIER)
+    forwards.clear()
+    backwards.clear()
+    _assert_same_step(_step(plain, None), _step(twin, wrapped_backend), exact=True)
+    assert len(forwards) == len(backwards) == 1
+    targets = [[n.target for n in g.graph.nodes] for g in (forwards[0], backwards[0])]
+    assert _BARRIER not in targets[0]
+    assert targets[1].count(_BARRIER) == len(Stack().blocks)
+
+
+def test_with_region_barriers_refuses_what_it_cannot_wrap() -> None:
+    with pytest.raises(xla_wrap.CheckpointValueError, match=r"registered.*'no such backend'"):
+        xla_wrap.with_region_barriers("no such backend", barrier=_BARRIER)
+    with pytest.raises(xla_wrap.CheckpointTypeError, match=r"AOTAutograd backend.*inductor"):
+        xla_wrap.with_region_barriers("inductor", barrier=_BARRIER)
+    backend, _, _ = _recording_backend()
+    with pytest.raises(xla_wrap.CheckpointTypeError, match=r"barrier.*got int"):
+        xla_wrap.with_region_barriers(backend, barrier=3)
+    with pytest.raises(xla_wrap.CheckpointTypeError, match=r"GraphModule.*got str"):
+        xla_wrap.region_barriers("graph", _BARRIER)
+
+
+@pytest.mark.parametrize("order", ["leaves only", "regions first", "leaves first"])
+def test_leaf_barriers_order_nothing_after_the_gradient_and_region_barriers_do(order: str) -> None:
+    """TorchTPU's placement (a barrier after each recomputed leaf) alone: no barrier depends on
+    the incoming gradient, so nothing makes the recomputation wait for it. With the region pass
+    before it (a backend's own pass runs after the one handed to its backward compiler) or
+    after it, every region gets its barrier, which takes a value computed from the gradient."""
+    from xla_wrap.internal import leaf_barriers
+
+    def passes(gm: fx.GraphModule) -> None:
+        if order == "leaves only":
+            placed.append((0, leaf_barriers(gm, _BARRIER)))
+        elif order == "leaves first":
+            leaves = leaf_barriers(gm, _BARRIER)
+            placed.append((xla_wrap.region_barriers(gm, _BARRIER), leaves))
+        else:
+            regions = xla_wrap.region_barriers(gm, _BARRIER)
+            placed.append((regions, leaf_barriers(gm, _BARRIER)))
+
+    placed: list[tuple[int, int]] = []
+    backend, _, backwards = _recording_backend(passes)
+    plain, twin = _wrapped("checkpoint_wrapper", dropout=0.1)
+    _assert_same_step(_step(plain, None), _step(twin, backend), exact=True)
+    (regions, leaves), graph = placed[0], backwards[0]
+    blocks = len(Stack().blocks)
+    assert regions == (0 if order == "leaves only" else blocks) and leaves > blocks
+    from_tangents = _from_tangents(graph)
+    barriers = [n for n in graph.graph.nodes if n.target is _BARRIER]
+    # a barrier that takes a gradient itself (an untagged value computed from one)
+    waiting = [
+        b
+        for b in barriers
+        if any(i in from_tangents and i.meta.get("recompute") is None for i in b.args[0])
+    ]
+    assert len(barriers) == regions + leaves and len(waiting) == regions
+    if order == "leaves only":
+        assert not set(barriers) & from_tangents  # none waits for the gradient at all
 
 
 def test_a_graph_without_checkpoints_gets_no_barrier() -> None:

@@ -146,19 +146,25 @@ def test_scan_stack_example_smallest_configuration() -> None:
 def test_compiled_openxla_example_smallest_configuration() -> None:
     pytest.importorskip("torch_xla")
     done = _run_example("compiled_openxla.py", "--blocks=2", "--dim=32", "--seq=32", "--batch=4")
-    assert "[3/4] xla_wrap, openxla_backend: compiling and running" in done.stdout
+    assert "[4/6] xla_wrap, openxla_backend: compiling and running" in done.stdout
     table = done.stdout.split("gradients equal\n")[1]
     rows = {line[:32].strip(): line[32:].split() for line in table.splitlines()}
     peak, dots, barriers, equal = (
         {name: row[i] for name, row in rows.items() if len(row) == 4} for i in range(4)
     )
-    assert len(equal) == 4 and set(equal.values()) == {"yes"}
+    assert len(equal) == 6 and set(equal.values()) == {"yes"}
     none, plain_backend = "no checkpointing", "xla_wrap, openxla"
     ours, dots_saveable = "xla_wrap, openxla_backend", "dots_saveable, openxla_backend"
+    leaves, both = "xla_wrap, leaf barriers", "xla_wrap, region + leaf"
     assert barriers[none] == barriers[plain_backend] == "0"
     assert int(barriers[ours]) >= 1 and int(barriers[dots_saveable]) >= 1
+    assert int(barriers[leaves]) > int(barriers[ours])
+    assert int(barriers[both]) == int(barriers[leaves]) + int(barriers[ours])
     assert int(dots[ours]) > int(dots[none]) == int(dots[dots_saveable])  # products kept
     assert float(peak[ours]) < float(peak[plain_backend]) < float(peak[none])
+    # the leaf barriers order nothing after the gradient; the region barriers still do with them
+    assert float(peak[leaves]) > 0.9 * float(peak[plain_backend])
+    assert float(peak[both]) < 0.9 * float(peak[leaves])
 
 
 @pytest.mark.subprocess
