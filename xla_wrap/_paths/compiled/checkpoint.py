@@ -4,7 +4,7 @@ Under `torch.compile` there is no step to replay and no barrier to place by hand
 turns `torch.utils.checkpoint.checkpoint` into the checkpoint higher-order op, AOTAutograd
 tags the region's nodes for recomputation (`node.meta["recompute"]`), the partitioner
 recomputes them in the backward graph, and a backend that needs barriers (TorchTPU) places
-them by those tags. xla_wrap's own engine captures random generator states and run autograd
+them by those tags. xla_wrap's own engine captures random generator states and runs autograd
 Functions that Dynamo cannot trace, so while Dynamo traces, every xla_wrap checkpoint becomes
 that op instead; the random numbers are then the compiler's business (it keeps the forward's
 masks for the recomputation).
