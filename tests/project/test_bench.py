@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -174,7 +175,9 @@ def test_the_depth_sweep_runs_loops_against_scans_at_each_depth() -> None:
         parse_args(["--depth", "12,0"])
 
 
-def test_the_compile_section_measures_every_variant_in_one_process(tmp_path: Path) -> None:
+def test_the_compile_section_measures_the_variants_and_the_openxla_barriers(
+    tmp_path: Path,
+) -> None:
     """``--compile``: inductor on the CPU; the checkpoints reach the compiler (tags, fewer
     bytes saved than without, PyTorch's own bytes), dots_saveable recomputes no matmul, and
     every variant's gradients are the uncheckpointed compiled model's."""
@@ -191,6 +194,17 @@ def test_the_compile_section_measures_every_variant_in_one_process(tmp_path: Pat
     assert dots["backward_matmuls"] == none["backward_matmuls"]
     assert ours["recompute_tags"] > 0 == none["recompute_tags"]
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in runs.values())
+    # torch_xla's Dynamo backend, where installed: TorchTPU's leaf barriers keep no saving,
+    # the region barriers do, alone or with the leaf ones.
+    openxla = json.loads((tmp_path / "compile.json").read_text())["openxla"]
+    if importlib.util.find_spec("torch_xla") is None:
+        assert openxla == []
+        return
+    peak = {r["variant"]: r["peak_mib"] for r in openxla}
+    assert len(openxla) == 6 and all(r["grads_equal"] for r in openxla)
+    assert peak["xla_wrap, leaf barriers"] > 0.9 * peak["xla_wrap, openxla"]
+    assert peak["xla_wrap, openxla_backend"] < 0.9 * peak["xla_wrap, leaf barriers"]
+    assert peak["xla_wrap, region + leaf"] < 0.9 * peak["xla_wrap, leaf barriers"]
 
 
 def test_the_walk_through_one_checkpoint_counts_the_package_and_pytorch_functions() -> None:

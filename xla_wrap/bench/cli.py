@@ -110,7 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="the torch.compile section instead: the transformer compiled with inductor on the "
+        help="the torch.compile section instead (and, with torch_xla, the openxla backend with "
+        "and without barriers at 4 and 8 blocks): the transformer compiled with inductor on the "
         "CPU, none against PyTorch's checkpoint wrapper and xla_wrap (default, dots_saveable): "
         "graph breaks, bytes saved for backward, backward matmuls, compile seconds, step time",
     )
@@ -304,13 +305,48 @@ def _compile_main(args: argparse.Namespace) -> int:
     print()
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
+    openxla = _openxla_rows(args.quick, args.out)
     json_path = args.out / "compile.json"
     json_path.write_text(
-        json.dumps({"sizes": sizes, "steps": args.steps, "runs": results}, indent=2)
+        json.dumps(
+            {"sizes": sizes, "steps": args.steps, "runs": results, "openxla": openxla}, indent=2
+        )
     )
     print(f"\nwrote {json_path}")
     print(f"total {time.monotonic() - started:.0f} s")
     return 0
+
+
+# torch_xla's Dynamo backend, barriers kept: (blocks, width, sequence, batch) per run.
+OPENXLA_SIZES = ((4, 64, 128, 8), (8, 64, 128, 8))
+QUICK_OPENXLA_SIZES = ((2, 32, 32, 4),)
+
+
+def _openxla_rows(quick: bool, out: Path) -> list[dict[str, Any]]:
+    """Where torch_xla is installed: `xla_wrap.bench.openxla` at each size, each in a process
+    of its own (XLA reads its flags at start); its rows, or none."""
+    import importlib.util
+
+    from .openxla import render
+
+    if importlib.util.find_spec("torch_xla") is None:
+        print("\ntorch_xla is not installed: no openxla rows", flush=True)
+        return []
+    rows: list[dict[str, Any]] = []
+    for blocks, dim, seq, batch in QUICK_OPENXLA_SIZES if quick else OPENXLA_SIZES:
+        print(f"\nopenxla, {blocks} blocks (barriers kept, a process of its own) ...", flush=True)
+        path = out / f"openxla-{blocks}.json"
+        command = [sys.executable, "-m", "xla_wrap.bench.openxla", f"--blocks={blocks}"]
+        command += [f"--dim={dim}", f"--seq={seq}", f"--batch={batch}", f"--json={path}"]
+        env = {**os.environ, "PJRT_DEVICE": "CPU"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        if not path.exists():
+            print(f"failed:\n{done.stderr[-2000:]}", flush=True)
+            continue
+        measured = json.loads(path.read_text())
+        print(render(measured), flush=True)
+        rows += measured
+    return rows
 
 
 def _torch_version() -> str:
