@@ -214,6 +214,20 @@ def test_the_block_backward_reads_the_barriered_gradient(xla_device: torch.devic
     assert block.seen["gradient"] is True
 
 
+def test_a_block_that_reads_xla_tensors_only_from_a_closure_is_barriered(
+    xla_device: torch.device,
+) -> None:
+    """No tensor argument, no module to find: the path comes from the block's outputs, so the
+    backward still has its barrier (as before the path registry)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(WIDTH, WIDTH).to(xla_device)
+    x = torch.randn(BATCH, WIDTH, device=xla_device)
+    y = xla_wrap.checkpoint(lambda: torch.tanh(linear(x)))
+    y.sum().backward()
+    hlo = introspect.pending_hlo([linear.weight.grad])
+    assert introspect.count_instructions(hlo, "opt-barrier") == 1
+
+
 def test_optimization_barrier_before_the_loss_leaves_training_unchanged(
     xla_device: torch.device,
 ) -> None:

@@ -169,6 +169,8 @@ def _record_forward(
         outputs = Flat.of(call.function(*args, **kwargs))
     _check_inputs_unchanged(call.api, tensors, versions)  # Rule 8
     replay.refuse_unreplayable(call.api)
+    if path is _paths.EAGER:  # a block that reads its XLA tensors from a closure only
+        path = _paths.path_of(outputs.tensors)
     # The hooks that act here: for this path, and whose library is in use (Rule 7).
     hooks = [
         h
@@ -472,8 +474,8 @@ def _unpack(placeholder: _Placeholder) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Barriered:
-    """What the recomputation and the block's backward read, taken through one barrier
-    (Rule 1): detached, and requiring grad as the originals did."""
+    """What the recomputation and the block's backward read (Rule 1): on a path with barriers,
+    new values through one barrier; inputs and parameters requiring grad as in the forward."""
 
     inputs: list[torch.Tensor]
     kept: list[torch.Tensor]
@@ -520,9 +522,9 @@ def _barrier(
         kept=[next(out) for _ in kept],
         grads=[next(out) for _ in grads],
         params=[next(out).requires_grad_(p.requires_grad) for p in params],
-        # The recomputation may update buffers in place (BatchNorm statistics): it gets copies
-        # of its own, so that the update happens once. On XLA the barrier made new values.
-        buffers=[b if path.barriers else b.clone() for b in (next(out) for _ in buffers)],
+        # New values (copies): the recomputation's in-place updates of buffers (BatchNorm
+        # statistics) stay its own, and the forward's happen once.
+        buffers=[next(out) for _ in buffers],
     )
     return barriered
 
