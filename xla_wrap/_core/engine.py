@@ -128,7 +128,7 @@ class ForwardRecord:
     # What the path noted about the output tensors, for their gradients after the barrier
     # (SPMD shardings on XLA); None: nothing.
     output_notes: list[object | None] | None
-    hooks: tuple[tuple[CheckpointHook, object], ...]  # each hook with what it noted
+    hooks: tuple[CheckpointHook, ...]  # those that act on this checkpoint (Rule 7)
 
     @property
     def api(self) -> str:
@@ -138,10 +138,6 @@ class ForwardRecord:
         """Call the function on the forward's arguments with `inputs` as their tensors."""
         args, kwargs = self.inputs.rebuild(inputs)
         return self.call.function(*args, **kwargs)
-
-    def hook_state(self, hook: CheckpointHook) -> object:
-        """What `hook` noted in this forward (None if it did not run then)."""
-        return next((state for h, state in self.hooks if h is hook), None)
 
 
 def _record_forward(
@@ -171,13 +167,6 @@ def _record_forward(
     replay.refuse_unreplayable(call.api)
     if path is _paths.EAGER:  # a block that reads its XLA tensors from a closure only
         path = _paths.path_of(outputs.tensors)
-    # The hooks that act here: for this path, and whose library is in use (Rule 7).
-    hooks = [
-        h
-        for h in process.hooks
-        if (h.device_types is None or path.name in h.device_types)
-        and (h.library is None or h.library in sys.modules)
-    ]
     record = ForwardRecord(
         call=call,
         inputs=inputs.without_tensors(),
@@ -187,7 +176,13 @@ def _record_forward(
         path=path,
         output_positions=tuple(i for i, t in enumerate(outputs.tensors) if t.requires_grad),
         output_notes=path.note_outputs(outputs.tensors) if path.barriers else None,
-        hooks=tuple((h, h.on_forward(outputs.tensors)) for h in hooks) if hooks else (),
+        # The hooks that act here: for this path, and whose library is in use.
+        hooks=tuple(
+            h
+            for h in process.hooks
+            if (h.device_types is None or path.name in h.device_types)
+            and (h.library is None or h.library in sys.modules)
+        ),
     )
     return record, outputs, buffers
 
@@ -547,7 +542,7 @@ def _replaying(record: ForwardRecord, barriered: _Barriered) -> Iterator[None]:
 @contextmanager
 def _hooks_replaying(record: ForwardRecord) -> Iterator[None]:
     with ExitStack() as stack:
-        for hook, _ in record.hooks:
+        for hook in record.hooks:
             stack.enter_context(hook.replaying())
         yield
 
@@ -610,9 +605,6 @@ class _OutputGate(torch.autograd.Function):
         if record.output_notes is not None:
             positions = [record.output_positions[i] for i in present]
             record.path.lay_out_gradients(record.output_notes, positions, handed_on)
-        for hook, state in record.hooks:
-            for i, grad in zip(present, handed_on, strict=True):
-                hook.on_gradient(state, record.output_positions[i], grad)
         if torch.is_grad_enabled():  # Rule 6: keep the gradients differentiable
             handed_on = [
                 _DifferentiableCopy.apply(g, b) for g, b in zip(incoming, handed_on, strict=True)

@@ -2,10 +2,11 @@
 
 The wrapper, the engine and `apply_activation_checkpointing` never ask which sharding
 framework runs around them. A composition that must act on checkpoints (refuse a module it
-owns, keep a sharding across the barrier) subclasses `CheckpointHook` and installs an
-instance once, at import: xla_wrap/_fsdp/units.py installs the FSDP, SPMD and XLA FSDP
-recomputation hooks, and the package imports it, so they are always in place. Nothing else
-changes the list.
+owns, mark the recomputation for a framework that asks) subclasses `CheckpointHook` and
+installs an instance once, at import: xla_wrap/_fsdp/units.py installs the FSDP units check
+and the XLA FSDP recomputation hook, and the package imports it, so they are always in
+place. Nothing else changes the list. (What a gradient loses across the barrier, an SPMD
+sharding, is the execution path's business: `ExecutionPath.note_outputs`.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
-import torch
 from torch import nn
 
 from .._support.state import process
@@ -22,9 +22,8 @@ from .._support.state import process
 class CheckpointHook:
     """What a composition adds to checkpointing. Every method does nothing by default."""
 
-    # The execution paths (`ExecutionPath.name`) on whose checkpoints `on_forward`,
-    # `on_gradient` and `replaying` run; None: every path. A checkpoint on another path never
-    # calls this hook.
+    # The execution paths (`ExecutionPath.name`) on whose checkpoints `replaying` runs; None:
+    # every path. A checkpoint on another path never calls this hook.
     device_types: frozenset[str] | None = None
     # The module (`sys.modules` name) of the library the hook is for; None: always. A
     # checkpoint taken while that library is not imported never calls this hook.
@@ -37,16 +36,6 @@ class CheckpointHook:
         self, api: str, wrap_policy: object, model: nn.Module, selected: Sequence[nn.Module]
     ) -> None:
         """Raise if a `wrap_policy` selecting `selected` in `model` is a mistake."""
-
-    def on_forward(self, outputs: Sequence[torch.Tensor]) -> object:
-        """What to remember about the output tensors of one checkpointed forward. The value
-        belongs to the hook (it may change it until backward) and comes back in
-        `on_gradient()`."""
-        return None
-
-    def on_gradient(self, state: object, position: int, grad: torch.Tensor) -> None:
-        """Called with each output gradient after the barrier, before the block's backward
-        reads it: `position` indexes the forward's output tensors."""
 
     def replaying(self) -> AbstractContextManager[None]:
         """A context entered around each recomputation (after the recomputing flag is set,

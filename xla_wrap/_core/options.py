@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import checkpoint_policies as cp
@@ -13,8 +13,6 @@ from .._support.errors import CheckpointTypeError, describe
 # without effect, since xla_wrap has one engine (xla_wrap/_core/engine.py), which does all
 # that PyTorch's reentrant engine does and more.
 OPTION_NAMES = ("preserve_rng_state", "use_reentrant", "policy", "offload_to_cpu")
-# The options a checkpoint keeps (the fields of CheckpointOptions).
-_KEPT = ("preserve_rng_state", "policy", "offload_to_cpu")
 
 # torch.utils.checkpoint.checkpoint's keywords that xla_wrap does not take, with what to do
 # instead. Passed to xla_wrap.checkpoint they would reach the function as its own arguments,
@@ -75,7 +73,7 @@ class CheckpointOptions:
             >>> layer.checkpoint_options.as_keywords()["policy"].__name__
             'dots_saveable'
         """
-        return {name: getattr(self, name) for name in _KEPT}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def options_from(api: str, options: dict[str, Any]) -> CheckpointOptions:

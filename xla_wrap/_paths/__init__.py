@@ -61,5 +61,6 @@ def generator_paths(path: ExecutionPath) -> tuple[ExecutionPath, ...]:
 
 def compiling() -> bool:
     """Whether Dynamo is tracing the caller (`torch.compile`): then a checkpoint becomes the
-    compiler's own, and no execution path runs."""
+    compiler's own, and no execution path runs. Here, not in the compiled room, so that an
+    eager step never enters that room to ask."""
     return bool(torch.compiler.is_compiling())

@@ -36,11 +36,6 @@ from ..._support.warn import warn_once
 _NAME_OP = "xla_wrap::checkpoint_name"
 
 
-def compiling() -> bool:
-    """Whether Dynamo is tracing the caller (`torch.compile`)."""
-    return bool(torch.compiler.is_compiling())
-
-
 def checkpoint(
     api: str,
     function: Callable[..., Any],
