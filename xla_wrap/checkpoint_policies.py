@@ -507,7 +507,10 @@ def to_constants(policy: SavePolicy) -> Any:
         return ("all_but", tuple(sorted(policy.excluded)))
     if isinstance(policy, _OffloadDotsWithoutBatch):
         return ("offload_dots",)
-    return ("function", policy)
+    for name, named in _BY_NAME.items():
+        if policy is named:
+            return ("named", name)
+    return ("function", policy)  # a user's function: not a constant, but Dynamo can hold it
 
 
 def from_constants(spec: Any) -> SavePolicy:
@@ -520,5 +523,7 @@ def from_constants(spec: Any) -> SavePolicy:
         return _AllNamesBut(frozenset(spec[1]))
     if spec[0] == "offload_dots":
         return _OffloadDotsWithoutBatch()
+    if spec[0] == "named":
+        return _BY_NAME[spec[1]]
     policy: SavePolicy = spec[1]
     return policy

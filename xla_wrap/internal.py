@@ -6,10 +6,17 @@ module (tests/project/test_house.py checks) and the package can rearrange its ro
 face.
 """
 
+from ._core.engine import record_of
 from ._inspect.hlo import BufferAssignment, parse_buffer_assignment
 from ._paths import device_path
 from ._paths.compiled.barriers import leaf_barriers
 from ._paths.compiled.openxla import xla_barrier
+from ._paths.compiled.regions import (
+    POLICIES_IN_LAYER_REGIONS,
+    compiles_layers_once,
+    has_layer_regions,
+    runs_regions_as_they_are,
+)
 from ._paths.xla import (
     KEEP_BARRIERS_FLAG,
     annotating_offload_on_any_backend,
@@ -30,12 +37,15 @@ __all__ = [
     "KEEP_BARRIERS_FLAG",
     "NONE",
     "OFFLOAD",
+    "POLICIES_IN_LAYER_REGIONS",
     "BlockCost",
     "BufferAssignment",
     "annotating_offload_on_any_backend",
     "apply_choices",
+    "compiles_layers_once",
     "device_path",
     "forget_warnings",
+    "has_layer_regions",
     "is_device_data",
     "leaf_barriers",
     "measure_choices",
@@ -43,7 +53,9 @@ __all__ = [
     "objective",
     "parse_buffer_assignment",
     "per_layer_gradients",
+    "record_of",
     "repeated_blocks",
+    "runs_regions_as_they_are",
     "sharding",
     "solve",
     "summarize",

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import xla_wrap
 from xla_wrap import checkpoint_policies as cp
-from xla_wrap import introspect
+from xla_wrap import internal, introspect
 
 from models import Scores, tiny_gpt2
 
@@ -379,14 +379,17 @@ def test_dots_saveable_keeps_convolutions_as_aten_names_them() -> None:
 class Scanned(nn.Module):
     """The stack's loop, through ``scan_layers`` or over a scanned list."""
 
-    def __init__(self, blocks: nn.ModuleList, *, call: bool) -> None:
+    def __init__(
+        self, blocks: nn.ModuleList, *, call: bool, policy: str | None = "dots_saveable"
+    ) -> None:
         super().__init__()
         self.blocks = blocks
         self.call = call
+        self.policy = policy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.call:
-            return xla_wrap.scan_layers(self.blocks, x, policy="dots_saveable")
+            return xla_wrap.scan_layers(self.blocks, x, policy=self.policy)
         for block in self.blocks:
             x = block(x)
         return x
@@ -413,35 +416,215 @@ def test_scanned_stacks_compile_whole_as_the_checkpointed_loop(how: str) -> None
     assert graphs.recompute_tags() > 0  # checkpointed, layer by layer
 
 
+def _dynamo_graph(model: nn.Module) -> fx.GraphModule:
+    """The graph Dynamo captures of one compiled step of ``model``."""
+    graphs: list[fx.GraphModule] = []
+
+    @internal.runs_regions_as_they_are
+    def capture(graph: fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(graph)
+        return torch._dynamo.backends.debugging.aot_eager(graph, example_inputs)
+
+    x = _x().requires_grad_()  # as an embedding's output: then the first layer is alike too
+    torch.compile(model, backend=capture, fullgraph=True)(x).sum().backward()
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def _layer_regions(graph: fx.GraphModule) -> list[str]:
+    """The subgraph each nested compile region of ``graph`` calls, in order."""
+    calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    return [str(n.args[0].target) for n in calls]
+
+
+@pytest.mark.skipif(not internal.has_layer_regions(), reason="no nested compile regions")
+@pytest.mark.parametrize(
+    ("how", "policy"),
+    [("scan_layers", None), ("ScannedLayers", None), ("scan_layers", "dots_saveable")],
+)
+def test_a_scanned_stack_compiles_one_layer_and_calls_it_for_each(
+    how: str, policy: str | None
+) -> None:
+    """Each layer is the same nested compile region: one subgraph, called once per layer, so
+    the compiler lowers one layer whatever the depth, and it saves what the checkpointed loop
+    saves. A plain checkpointed loop (the user did not say the layers are alike) stays a
+    loop. torch 2.9 drops a save policy inside a region, so there a policy keeps the loop."""
+    plain, looped = _wrapped("checkpoint_wrapper", dropout=0.1)
+    blocks = copy.deepcopy(plain.blocks)
+    if how == "scan_layers":
+        twin: nn.Module = Scanned(blocks, call=True, policy=policy)
+    else:
+        twin = Scanned(xla_wrap.ScannedLayers(blocks), call=False)
+    found = _layer_regions(_dynamo_graph(twin))
+    if policy is not None and not internal.POLICIES_IN_LAYER_REGIONS:
+        assert found == []
+    else:
+        assert len(found) == len(blocks) and len(set(found)) == 1
+    torch._dynamo.reset()
+    assert _layer_regions(_dynamo_graph(looped)) == []
+
+
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+def test_a_scanned_stack_saves_what_the_checkpointed_loop_saves(policy: str | None) -> None:
+    """Measured in the partitioned graphs (whose backend runs regions): the regions keep the
+    checkpoint (and its policy) of every layer."""
+    plain, _ = _wrapped("checkpoint_wrapper", dropout=0.1)
+    looped = copy.deepcopy(plain)
+    xla_wrap.apply_activation_checkpointing(looped, lambda m: isinstance(m, Block), policy=policy)
+    scanned = Scanned(copy.deepcopy(plain.blocks), call=True, policy=policy)
+    saved = {}
+    for name, model in [("plain", plain), ("loop", looped), ("scan", scanned)]:
+        torch._dynamo.reset()
+        graphs = introspect.PartitionedGraphs()
+        _step(model, graphs.backend)
+        saved[name] = graphs.saved_bytes()
+    assert abs(saved["scan"] - saved["loop"]) <= 0.05 * saved["loop"]
+    assert saved["loop"] < saved["plain"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "one_region"), [("aot_eager", True), ("inductor", False), ("eager", False)]
+)
+def test_a_scanned_stack_is_one_region_only_where_the_backend_runs_it_correctly(
+    backend: str, one_region: bool
+) -> None:
+    """Inductor miscompiles a region called more than once (wrong gradients, torch 2.9 and
+    2.14.1), and torch 2.9's eager backend cannot run one backward: there the loop."""
+    assert internal.compiles_layers_once(backend) is (one_region and internal.has_layer_regions())
+
+
 def test_a_scan_without_a_carry_inside_compile_is_refused_as_outside() -> None:
     blocks = nn.ModuleList(Block() for _ in range(2))
     with pytest.raises(xla_wrap.CheckpointTypeError, match="expected the carry"):
         torch.compile(lambda: xla_wrap.scan_layers(blocks), backend="aot_eager")()
 
 
-def test_stacked_parameters_inside_compile_are_refused_naming_the_way_out() -> None:
-    plain, _ = _wrapped("checkpoint_wrapper", dropout=0.0)
+def test_stacked_parameters_inside_compile_run_eager_or_are_refused_under_fullgraph() -> None:
+    """Dynamo cannot trace a layer on its slices of the stacked parameters: the stack is then
+    a graph break and runs eagerly (the step is the eager one, with Dropout); under
+    ``fullgraph=True`` the refusal names the way out."""
+    plain, _ = _wrapped("checkpoint_wrapper", dropout=0.1)
     twin = Scanned(
         xla_wrap.ScannedLayers(copy.deepcopy(plain.blocks), stack_parameters=True), call=False
     )
-    with pytest.raises(xla_wrap.CheckpointValueError, match="stack_parameters"):
-        torch.compile(twin, backend="aot_eager")(_x())
+    expected = _step(plain, None)
+    model = copy.deepcopy(twin)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    loss = torch.compile(model, backend="aot_eager")(_x()).pow(2).mean()
+    loss.backward()
+    assert torch.equal(loss.detach(), expected[0])
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(twin, backend="aot_eager", fullgraph=True)(_x())
+    chain, error = [], info.value
+    while error is not None:
+        chain.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    assert any("CheckpointValueError" in e for e in chain)
+
+
+# --- a graph break costs one block --------------------------------------------------------------
+
+
+class Breaking(Block):
+    """A block Dynamo cannot trace whole: a graph break in its forward (as a print or a
+    data-dependent branch would make)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+class Unrolled(nn.Module):
+    """Work before, between and after the blocks, the second and fourth of which break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList([Block(0.1), Breaking(0.1), Block(0.1), Breaking(0.1)])
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b0, b1, b2, b3 = self.blocks
+        h0 = b0(self.inp(x))
+        h1 = b1(h0)
+        h2 = b2(h1)
+        h3 = b3(h2)
+        self.block_outputs = [h0, h1, h2, h3]
+        return self.head(h3)
+
+
+def _compiled_ops(model: nn.Module, **compile_kwargs: Any) -> list[list[str]]:
+    """One step of ``model`` compiled on ``aot_eager``: the operations of each graph Dynamo
+    compiled."""
+    graphs: list[list[str]] = []
+
+    def capture(graph: fx.GraphModule, example_inputs: Any) -> Any:
+        ops = [n for n in graph.graph.nodes if n.op in ("call_function", "call_module")]
+        graphs.append([getattr(n.target, "__name__", str(n.target)) for n in ops])
+        return torch._dynamo.backends.debugging.aot_eager(graph, example_inputs)
+
+    run = torch.compile(model, backend=capture, **compile_kwargs)
+    torch.manual_seed(5)
+    run(_x()).pow(2).mean().backward()
+    return graphs
+
+
+def test_a_graph_break_in_a_block_costs_that_block_only() -> None:
+    """The blocks Dynamo cannot trace run under xla_wrap's own engine (their outputs come
+    from its gate, so they recompute behind a barrier and save memory), all around them still
+    compiles (the input layer, the traceable blocks as the compiler's checkpoint, the head),
+    and the step is the eager unwrapped model's, bitwise, with Dropout."""
+    torch.manual_seed(0)
+    plain = Unrolled()
+    twin = copy.deepcopy(plain)
+    xla_wrap.apply_activation_checkpointing(twin, lambda m: isinstance(m, Block))
+    torch.manual_seed(5)
+    plain(_x()).pow(2).mean().backward()
+    graphs = _compiled_ops(twin)
+    ran_by_engine = [internal.record_of(h) is not None for h in twin.block_outputs]
+    assert ran_by_engine == [False, True, False, True]
+    checkpoints = [g.count("tag_activation_checkpoint") for g in graphs]
+    assert sum(checkpoints) == 2 and any("linear" in g for g in graphs[-1:])  # the head
+    assert any(g[0] == "linear" and "tag_activation_checkpoint" in g for g in graphs)  # inp, b0
+    for a, b in zip(plain.parameters(), twin.parameters(), strict=True):
+        assert a.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_a_graph_break_in_a_block_under_fullgraph_names_the_block_and_the_break() -> None:
+    block = xla_wrap.checkpoint_wrapper(Breaking())
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        torch.compile(block, backend="aot_eager", fullgraph=True)(_x())
+    message = str(info.value)
+    assert "graph_break()" in message and "_paths/compiled/checkpoint.py" in message
+    assert f'{__file__}", line' in message and "in forward" in message  # the block's forward
 
 
 # --- refusals -----------------------------------------------------------------------------------
 
 
-def test_offload_inside_compile_is_refused_naming_the_way_out() -> None:
+def test_offload_inside_compile_runs_the_block_eagerly_or_is_refused_under_fullgraph() -> None:
+    """The compiler decides where saved values live, so a block that offloads is a graph
+    break and runs under xla_wrap's engine (which offloads, with the eager gradients); under
+    ``fullgraph=True`` the refusal names the way out."""
     layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
 
     def step(x: torch.Tensor) -> torch.Tensor:
         return xla_wrap.checkpoint(layer, x, offload_to_cpu=True).sum()
 
-    with pytest.raises(xla_wrap.CheckpointValueError, match="not supported inside torch.compile"):
-        torch.compile(step, backend="aot_eager")(torch.randn(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on the CPU the offloaded values stay where they are
+        torch.compile(step, backend="aot_eager")(x).backward()
+    compiled_grad = layer.weight.grad
+    layer.zero_grad(set_to_none=True)
+    layer(x).sum().backward()
+    assert compiled_grad is not None and torch.equal(compiled_grad, layer.weight.grad)
     torch._dynamo.reset()
     with pytest.raises(Exception) as info:  # fullgraph: Dynamo reports it as its own
-        torch.compile(step, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
+        torch.compile(step, backend="aot_eager", fullgraph=True)(x)
     chain, error = [], info.value
     while error is not None:
         chain.append(error)

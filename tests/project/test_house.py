@@ -48,7 +48,7 @@ SEMI_PUBLIC = {"xla_wrap.internal"}
 LIBRARIES: dict[str, tuple[str, ...]] = {
     "torch_xla": ("xla_wrap._paths.xla.", "xla_wrap.bench."),
     "torch._dynamo": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),
-    "torch._functorch": ("xla_wrap._paths.compiled.",),
+    "torch._functorch": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),
     "functorch": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),
     "torch.utils.checkpoint": ("xla_wrap._paths.compiled.", "xla_wrap.bench."),
     "transformers": ("xla_wrap.integrations.transformers",),

@@ -20,6 +20,7 @@ from .module_tensors import ModuleTensors
 from .options import CheckpointOptions, make_options, refuse_torch_only_keywords
 
 
+@_paths.branches_on_compiling  # reached first after a graph break, it runs the block itself
 def run_checkpointed(
     api: str,
     function: Callable[..., Any],
@@ -57,9 +58,15 @@ def run_checkpointed(
     call = engine.CheckpointCall(
         api=api, function=function, owners=ModuleTensors.of(owners), options=options
     )
-    return engine.run(call, Flat.of((args, kwargs)))
+    return _run_engine(call, Flat.of((args, kwargs)))
 
 
+# The engine runs outside the compiler: when Dynamo cannot trace a block, it breaks the graph
+# at the block's call, and the block then runs here, whole and eager, as under no compiler.
+_run_engine = _paths.outside_the_compiler(engine.run)
+
+
+@_paths.branches_on_compiling
 def owning_modules(function: Callable[..., Any], args: tuple[Any, ...] = ()) -> list[nn.Module]:
     """The module whose parameters `function` reads: the module itself, the owner of a bound
     method, either of those inside `functools.partial`, or the module an unbound method is

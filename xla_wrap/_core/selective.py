@@ -237,6 +237,7 @@ def _function_name(func: Any) -> str:
 _BINARY_DUNDERS = {"add", "sub", "mul", "matmul", "truediv", "floordiv", "pow", "mod", "and", "or"}
 
 
+@_paths.branches_on_compiling
 def checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Tag `tensor` with `name` so that a save policy can keep it by name.
 

@@ -12,13 +12,16 @@ checkpoint starts, into the compiler's own checkpoint (`compiled_checkpoint`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
 from .base import ExecutionPath
 from .compiled.checkpoint import checkpoint as compiled_checkpoint
 from .compiled.checkpoint import tag as compiled_tag
+from .compiled.frames import never_traced_first, outside_the_compiler
+from .compiled.regions import has_layer_regions, in_layer_region
 from .eager import EAGER
 from .xla.path import XLA
 
@@ -29,11 +32,15 @@ __all__ = [
     "EAGER",
     "PATHS",
     "ExecutionPath",
+    "branches_on_compiling",
     "compiled_checkpoint",
     "compiled_tag",
     "compiling",
     "device_path",
     "generator_paths",
+    "has_layer_regions",
+    "in_layer_region",
+    "outside_the_compiler",
     "path_of",
 ]
 
@@ -64,3 +71,18 @@ def compiling() -> bool:
     compiler's own, and no execution path runs. Here, not in the compiled room, so that an
     eager step never enters that room to ask."""
     return bool(torch.compiler.is_compiling())
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def branches_on_compiling(function: _F) -> _F:
+    """Mark `function`, which branches on `compiling()`: Dynamo traces it only when inlining
+    it from a frame it traces, and runs it natively when it is the first frame Dynamo sees.
+    That happens after a graph break (xla_wrap/_paths/compiled/frames.py), and the function
+    must then take the eager branch, which its callees, run natively too, agree with."""
+    never_traced_first(function)
+    return function
+
+
+branches_on_compiling(compiling)

@@ -119,6 +119,7 @@ def scan_layers(
     return run_scan(_API, layers, args, kwargs, policy=policy, offload_to_cpu=offload_to_cpu)
 
 
+@_paths.branches_on_compiling
 def run_scan(
     api: str,
     layers: Sequence[nn.Module],
@@ -400,6 +401,7 @@ def _loop(
     return carry
 
 
+@_paths.branches_on_compiling
 def checkpoint_layer(
     api: str,
     layer: nn.Module,
@@ -421,6 +423,15 @@ def checkpoint_layer(
             "stack_parameters), or keep stacked parameters on torch_xla's lazy tensors."
         )
     forward = _own_forward(layer) if stack is None else stack.own_forward(index)
+    if _paths.compiling():  # compiled once for every layer alike (docs/compile.md)
+        return _paths.in_layer_region(
+            layer,
+            args,
+            kwargs,
+            api,
+            preserve_rng_state=options.preserve_rng_state,
+            policy=options.policy,
+        )
     return run_checkpointed(api, forward, args, kwargs, owners=(layer,), options=options)
 
 

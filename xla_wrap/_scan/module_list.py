@@ -94,6 +94,7 @@ class ScannedLayers(nn.ModuleList):
             item.__dict__[_OPTIONS] = self.__dict__[_OPTIONS]
         return item
 
+    @_paths.branches_on_compiling
     def __iter__(self) -> Iterator[nn.Module]:
         layers = list(self._modules.values())
         if not layers:
@@ -160,11 +161,14 @@ class _Stage:
         self.__dict__["layer"] = layer
 
     def __getattr__(self, name: str) -> Any:
+        if "layer" not in self.__dict__:  # half made (a debugger or Dynamo looks at it)
+            raise AttributeError(name)
         return getattr(self.__dict__["layer"], name)  # `layer.attention_type` and the like
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(stand_in, Layer) holds, as for the layer
-        return type(self.__dict__["layer"])
+        layer = self.__dict__.get("layer")
+        return _Stage if layer is None else type(layer)
 
     def __repr__(self) -> str:
         return f"stand-in for layer {self.__dict__['index']}: {self.__dict__['layer']!r}"

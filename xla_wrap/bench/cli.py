@@ -304,12 +304,24 @@ def _compile_main(args: argparse.Namespace) -> int:
     table = compiled.render(results)
     print()
     print(table)
+    depths = compiled.QUICK_SWEEP_DEPTHS if args.quick else compiled.SWEEP_DEPTHS
+    print(f"\ndepth sweep at {depths} blocks, every block checkpointed ...", flush=True)
+    sweep = compiled.sweep(depths, lambda line: print(line, flush=True))
+    print()
+    print(compiled.render_sweep(sweep))
     args.out.mkdir(parents=True, exist_ok=True)
     openxla = _openxla_rows(args.quick, args.out)
     json_path = args.out / "compile.json"
     json_path.write_text(
         json.dumps(
-            {"sizes": sizes, "steps": args.steps, "runs": results, "openxla": openxla}, indent=2
+            {
+                "sizes": sizes,
+                "steps": args.steps,
+                "runs": results,
+                "sweep": sweep,
+                "openxla": openxla,
+            },
+            indent=2,
         )
     )
     print(f"\nwrote {json_path}")

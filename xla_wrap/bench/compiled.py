@@ -6,13 +6,20 @@ Per variant: graph breaks; bytes the compiled forward saves for backward and mat
 in the backward graph (the partitioned graphs,
 [`xla_wrap.introspect.PartitionedGraphs`][xla_wrap.introspect.PartitionedGraphs], the min-cut
 partitioner inductor uses); inductor's compile seconds (the first step less a
-compiled one); the median step time; and whether the gradients equal the uncheckpointed
-compiled model's (inductor with `fallback_random`, so that Dropout draws as eager does in
-every variant).
+compiled one, with inductor's and AOTAutograd's caches off); the median step time; and
+whether the gradients equal the uncheckpointed compiled model's (inductor with
+`fallback_random`, so that Dropout draws as eager does in every variant).
+
+The depth sweep (`sweep()`) compiles the bench transformer (width 64, sequence 32, batch 4)
+at 4, 16 and 32 blocks, every block checkpointed, as a `checkpoint_wrapper` loop and as
+`ScannedLayers`, on `aot_eager` and on inductor: compile seconds, bytes saved for backward,
+whether the stack compiled as one nested compile region per layer, and the gradients against
+the loop's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +28,7 @@ from typing import Any
 import torch
 
 from .. import introspect
+from ..internal import compiles_layers_once
 from .models import TransformerBlock, Workload, build
 
 VARIANTS = ("none", "torch checkpoint_wrapper", "xla_wrap", "xla_wrap dots_saveable")
@@ -54,6 +62,17 @@ def _step(work: Workload, run: Callable[..., Any]) -> list[torch.Tensor]:
     return [p.grad for p in work.model.parameters() if p.grad is not None]
 
 
+def _caches_off() -> Any:
+    """Inductor's and AOTAutograd's caches off, so that a compile is timed as a first one."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
 def measure(variant: str, sizes: dict[str, int], steps: int) -> dict[str, Any]:
     """One variant: its graphs, then inductor's compile and step times, and its gradients."""
     from torch._dynamo.utils import counters
@@ -73,7 +92,7 @@ def measure(variant: str, sizes: dict[str, int], steps: int) -> dict[str, Any]:
         "recompute_tags": graphs.recompute_tags(),
     }
     torch._dynamo.reset()
-    with inductor_config.patch(fallback_random=True):
+    with inductor_config.patch(fallback_random=True), _caches_off():
         compiled = torch.compile(work.model, fullgraph=True)
         started = time.perf_counter()
         grads = _step(work, compiled)
@@ -119,3 +138,119 @@ def render(results: list[dict[str, Any]]) -> str:
             f"{'yes' if r['grads_equal'] else 'NO'}"
         )
     return "\n".join(rows)
+
+
+SWEEP_SIZES = {"dim": 64, "heads": 4, "seq": 32, "batch": 4, "dropout_pct": 10, "mask_buffer": 0}
+SWEEP_DEPTHS = (4, 16, 32)
+QUICK_SWEEP_DEPTHS = (3,)  # the first layer, fed no gradient, is a region of its own
+SWEEP_BACKENDS = ("aot_eager", "inductor")
+SWEEP_VARIANTS = ("checkpoint_wrapper loop", "ScannedLayers")
+
+
+def _stacked(variant: str, blocks: int) -> Workload:
+    """The sweep's transformer with every block checkpointed, as a loop or as a scan."""
+    import xla_wrap
+
+    work = build("transformer", {**SWEEP_SIZES, "blocks": blocks})
+    if variant == "ScannedLayers":
+        work.model.blocks = xla_wrap.ScannedLayers(work.blocks)
+    else:
+        xla_wrap.apply_activation_checkpointing(
+            work.model, lambda m: isinstance(m, TransformerBlock)
+        )
+    return work
+
+
+def _compile_seconds(work: Workload, backend: str) -> tuple[float, list[torch.Tensor]]:
+    """Compile seconds of one step (the first step less the median of three compiled ones),
+    caches off, and its gradients."""
+    from torch._inductor import config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch(fallback_random=True), _caches_off():
+        compiled = torch.compile(work.model, backend=backend, fullgraph=True)
+        started = time.perf_counter()
+        grads = [g.detach().clone() for g in _step(work, compiled)]
+        first = time.perf_counter() - started
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            _step(work, compiled)
+            times.append(time.perf_counter() - started)
+    return first - statistics.median(times), grads
+
+
+def _regions_and_saved(work: Workload) -> tuple[bool, int]:
+    """Whether the stack compiled as nested compile regions, and the bytes its forward saves
+    for backward (the partitioned graphs; their backend runs regions)."""
+    torch._dynamo.reset()
+    graphs = introspect.PartitionedGraphs()
+    _step(work, torch.compile(work.model, backend=graphs.backend, fullgraph=True))
+    forward = graphs._graph("forward")
+    invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    regions = any(n.target is invoke for n in forward.graph.nodes) if invoke else False
+    return regions, graphs.saved_bytes()
+
+
+def sweep(depths: tuple[int, ...], progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Compile seconds of the loop and the scan at each depth, on each backend, in this
+    process (after one warm-up compile per backend)."""
+    warm = _stacked("checkpoint_wrapper loop", 1)
+    for backend in SWEEP_BACKENDS:
+        _compile_seconds(warm, backend)
+    rows: list[dict[str, Any]] = []
+    for blocks in depths:
+        regions, saved = {}, {}
+        for variant in SWEEP_VARIANTS:
+            regions[variant], saved[variant] = _regions_and_saved(_stacked(variant, blocks))
+        for variant in SWEEP_VARIANTS:
+            work = _stacked(variant, blocks)
+            for backend in SWEEP_BACKENDS:
+                progress(f"sweep: {blocks} blocks / {variant} / {backend} ...")
+                one_region = regions[variant] and compiles_layers_once(backend)
+                seconds, grads = _compile_seconds(work, backend)
+                rows.append(
+                    {
+                        "blocks": blocks,
+                        "variant": variant,
+                        "backend": backend,
+                        "compile_s": seconds,
+                        # Where the stack is the loop, it saves what the loop saves.
+                        "saved_bytes": saved[variant if one_region else SWEEP_VARIANTS[0]],
+                        "one_region_per_layer": one_region,
+                        "grads": grads,
+                    }
+                )
+    for row in rows:  # against the loop's, same depth and backend
+        loop = next(
+            r
+            for r in rows
+            if (r["blocks"], r["backend"], r["variant"])
+            == (row["blocks"], row["backend"], SWEEP_VARIANTS[0])
+        )
+        exact = row["backend"] == "aot_eager"
+        row["grads_equal_loop"] = all(
+            torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+            for a, b in zip(row["grads"], loop["grads"], strict=True)
+        )
+        row["compile_vs_loop"] = row["compile_s"] / loop["compile_s"]
+        row["saved_vs_loop"] = row["saved_bytes"] / loop["saved_bytes"]
+    for row in rows:
+        del row["grads"]
+    return rows
+
+
+def render_sweep(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'blocks':>6}  {'variant':<24}{'backend':<11}{'regions':>8}{'compile s':>11}"
+        f"{'vs loop':>9}{'saved MiB':>11}{'vs loop':>9}  grads = loop"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['blocks']:>6}  {r['variant']:<24}{r['backend']:<11}"
+            f"{'yes' if r['one_region_per_layer'] else 'no':>8}{r['compile_s']:>11.1f}"
+            f"{r['compile_vs_loop']:>8.2f}x{r['saved_bytes'] / 2**20:>11.2f}"
+            f"{r['saved_vs_loop']:>8.2f}x  {'yes' if r['grads_equal_loop'] else 'NO'}"
+        )
+    return "\n".join(lines)

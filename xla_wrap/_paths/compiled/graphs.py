@@ -3,12 +3,13 @@ keeps, read back for [`xla_wrap.introspect`][xla_wrap.introspect]."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..._support.errors import CheckpointValueError
+from .regions import runs_regions_as_they_are
 
 
 class PartitionedGraphs:
@@ -56,10 +57,12 @@ class PartitionedGraphs:
 
             return compiler
 
-        self.backend = aot_autograd(
-            fw_compiler=keep("forward"),
-            bw_compiler=keep("backward"),
-            partition_fn=min_cut_rematerialization_partition,
+        self.backend = runs_regions_as_they_are(
+            aot_autograd(
+                fw_compiler=keep("forward"),
+                bw_compiler=keep("backward"),
+                partition_fn=min_cut_rematerialization_partition,
+            )
         )
 
     def _graph(self, kind: str) -> torch.fx.GraphModule:
@@ -112,7 +115,7 @@ class PartitionedGraphs:
         """
         return sum(
             1
-            for n in self._graph("backward").graph.nodes
+            for n in _run_nodes(self._graph("backward"))
             if n.op == "call_function" and getattr(n.target, "overloadpacket", None) in packets
         )
 
@@ -131,5 +134,16 @@ class PartitionedGraphs:
 
         tags = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
         return sum(
-            1 for n in self._graph("backward").graph.nodes if n.meta.get("recompute") in tags
+            1 for n in _run_nodes(self._graph("backward")) if n.meta.get("recompute") in tags
         )
+
+
+def _run_nodes(graph: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """The nodes `graph` runs, in order: a nested compile region's (a scanned stack's layer)
+    once per call of it."""
+    invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    for node in graph.graph.nodes:
+        if invoke is not None and node.target is invoke:
+            yield from _run_nodes(getattr(graph, node.args[0].target))
+        else:
+            yield node

@@ -1,0 +1,42 @@
+"""Which of xla_wrap's frames Dynamo traces: a block Dynamo cannot trace costs one block.
+
+Dynamo traces a compiled model's forward and inlines every call, xla_wrap's checkpoints
+included (as the compiler's checkpoint, xla_wrap/_paths/compiled/checkpoint.py). When a
+block's body cannot be traced (a data-dependent branch, a print, `graph_break()`), Dynamo
+breaks the graph at the call in the user's frame that led there and runs that call itself,
+and every frame the call enters is a frame Dynamo tries to compile on its own. xla_wrap's
+own frames would then try the compiler's checkpoint again, once per frame, and end in
+PyTorch's checkpoint run eagerly, without a barrier on XLA.
+
+So `run_checkpointed`, where every checkpoint starts, is never a frame Dynamo starts tracing
+at (it is still traced when inlined from the user's code): entered so, it is the graph break,
+and it runs the block in xla_wrap's engine, which runs outside the compiler (as PyTorch's own
+checkpoint does). Everything before and after the block still compiles.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+from torch._C._dynamo import eval_frame as _eval_frame
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def never_traced_first(function: Callable[..., Any]) -> None:
+    """Dynamo runs `function` as plain Python when its frame is the first it sees (the
+    frames it calls are Dynamo's to compile as usual), and traces it when inlining it."""
+    code: types.CodeType = function.__code__
+    action = _eval_frame._FrameAction
+    _eval_frame.set_code_exec_strategy(
+        code, _eval_frame._FrameExecStrategy(action.SKIP, action.DEFAULT)
+    )
+
+
+def outside_the_compiler(function: _F) -> _F:
+    """`function`, run with Dynamo off (its frames and all they call), as PyTorch runs its
+    own checkpoint."""
+    return cast(_F, torch._disable_dynamo(function))
