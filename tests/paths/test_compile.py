@@ -493,6 +493,34 @@ def test_a_scanned_stack_is_one_region_only_where_the_backend_runs_it_correctly(
     assert internal.compiles_layers_once(backend) is (one_region and internal.has_layer_regions())
 
 
+@pytest.mark.skipif(not internal.has_layer_regions(), reason="no nested compile regions")
+def test_inductor_still_miscompiles_a_region_called_twice() -> None:
+    """Why a scanned stack is the loop under inductor: two calls of one region and a matrix
+    product after them give a wrong gradient (the caller reuses the buffer the region
+    returned as saved for backward). When this goes red, the installed torch has fixed it:
+    let xla_wrap make regions under inductor (xla_wrap/_paths/compiled/regions.py)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    @torch.compiler.nested_compile_region
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    def f(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return (block(block(x, w0), w1) @ h).sum()
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(4, 4), (4,), (4,), (4, 4)]
+    args = [torch.randn(s, generator=generator, requires_grad=True) for s in shapes]
+    expected = torch.autograd.grad(f(*args), args)
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        got = torch.autograd.grad(torch.compile(f, fullgraph=True)(*args), args)
+    assert not all(torch.allclose(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_a_scan_without_a_carry_inside_compile_is_refused_as_outside() -> None:
     blocks = nn.ModuleList(Block() for _ in range(2))
     with pytest.raises(xla_wrap.CheckpointTypeError, match="expected the carry"):
