@@ -21,7 +21,7 @@ from .base import ExecutionPath
 from .compiled.checkpoint import checkpoint as compiled_checkpoint
 from .compiled.checkpoint import tag as compiled_tag
 from .compiled.frames import never_traced_first, outside_the_compiler
-from .compiled.regions import has_layer_regions, in_layer_region
+from .compiled.regions import in_layer_region
 from .eager import EAGER
 from .xla.path import XLA
 
@@ -38,7 +38,6 @@ __all__ = [
     "compiling",
     "device_path",
     "generator_paths",
-    "has_layer_regions",
     "in_layer_region",
     "outside_the_compiler",
     "path_of",

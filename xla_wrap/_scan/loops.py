@@ -414,17 +414,16 @@ def checkpoint_layer(
     """One layer of a scanned stack run as the Python loop runs it: its own forward as a
     checkpoint (the compiler's, inside `torch.compile`), watched for reads of attributes in
     which the layers differ when `stack` is given (layer `index` of it)."""
-    if _paths.compiling() and _stacked.slot(layer) is not None:
-        raise CheckpointValueError(
-            f"{api}: stacked parameters (stack_parameters=True) are not supported inside "
-            "torch.compile yet: a layer would run on its slices through a reparametrization "
-            "Dynamo cannot trace inside the checkpoint. Compile the model with per-layer "
-            "parameters (xla_wrap.unscan, then ScannedLayers/apply_scan without "
-            "stack_parameters), or keep stacked parameters on torch_xla's lazy tensors."
-        )
-    forward = _own_forward(layer) if stack is None else stack.own_forward(index)
-    if _paths.compiling():  # compiled once for every layer alike (docs/compile.md)
-        return _paths.in_layer_region(
+    if _paths.compiling():
+        if _stacked.slot(layer) is not None:
+            raise CheckpointValueError(
+                f"{api}: stacked parameters (stack_parameters=True) are not supported inside "
+                "torch.compile yet: a layer would run on its slices through a reparametrization "
+                "Dynamo cannot trace inside the checkpoint. Compile the model with per-layer "
+                "parameters (xla_wrap.unscan, then ScannedLayers/apply_scan without "
+                "stack_parameters), or keep stacked parameters on torch_xla's lazy tensors."
+            )
+        return _paths.in_layer_region(  # compiled once for every layer alike
             layer,
             args,
             kwargs,
@@ -432,6 +431,7 @@ def checkpoint_layer(
             preserve_rng_state=options.preserve_rng_state,
             policy=options.policy,
         )
+    forward = _own_forward(layer) if stack is None else stack.own_forward(index)
     return run_checkpointed(api, forward, args, kwargs, owners=(layer,), options=options)
 
 

@@ -186,7 +186,8 @@ def _regions_and_saved(work: Workload) -> tuple[bool, int]:
     torch._dynamo.reset()
     graphs = introspect.PartitionedGraphs()
     _step(work, torch.compile(work.model, backend=graphs.backend, fullgraph=True))
-    forward = graphs._graph("forward")
+    forward = graphs.forward
+    assert forward is not None  # the step above compiled it
     invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
     regions = any(n.target is invoke for n in forward.graph.nodes) if invoke else False
     return regions, graphs.saved_bytes()

@@ -8,10 +8,11 @@ and every frame the call enters is a frame Dynamo tries to compile on its own. x
 own frames would then try the compiler's checkpoint again, once per frame, and end in
 PyTorch's checkpoint run eagerly, without a barrier on XLA.
 
-So `run_checkpointed`, where every checkpoint starts, is never a frame Dynamo starts tracing
-at (it is still traced when inlined from the user's code): entered so, it is the graph break,
-and it runs the block in xla_wrap's engine, which runs outside the compiler (as PyTorch's own
-checkpoint does). Everything before and after the block still compiles.
+So `run_checkpointed`, where every checkpoint starts, and every function that branches on
+`compiling()` (`_paths.branches_on_compiling`) are never a frame Dynamo starts tracing at
+(they are still traced when inlined from the user's code): entered so, `run_checkpointed` is
+the graph break, and it runs the block in xla_wrap's engine, which runs outside the compiler
+(as PyTorch's own checkpoint does). Everything before and after the block still compiles.
 """
 
 from __future__ import annotations
