@@ -25,9 +25,10 @@ from ._paths.xla import (
     tiled_sharding,
 )
 from ._paths.xla import rng as xla_rng  # tests patch its reads (the step's base seed)
+from ._plan.blocks import repeated_blocks
 from ._plan.checkpoint_plan import apply_choices, summarize
 from ._plan.cost_model import DOTS, FULL, NONE, OFFLOAD, BlockCost, modelled_peak, objective, solve
-from ._plan.planner import measure_choices, repeated_blocks
+from ._plan.planner import measure_choices
 from ._scan.stacked_parameters import per_layer_gradients
 from ._support.warn import forget_warnings
 

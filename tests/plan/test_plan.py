@@ -293,9 +293,11 @@ def test_bad_input_is_refused_with_what_to_do(xla_device: torch.device) -> None:
     x = torch.randn(2, 4)
     with pytest.raises(xla_wrap.CheckpointTypeError, match=api + "expected the nn.Module"):
         xla_wrap.plan_checkpointing(lambda x: x, x, budget=0.5)
-    with pytest.raises(xla_wrap.CheckpointValueError, match=api + "expected a model on an XLA"):
-        xla_wrap.plan_checkpointing(_Twice(), x, budget=0.5)
     model, xx = _Twice().to(xla_device), x.to(xla_device)
+    mixed = _Twice().to(xla_device)
+    mixed.blocks[1].to("cpu")
+    with pytest.raises(xla_wrap.CheckpointValueError, match=api + "expected a model on one kind"):
+        xla_wrap.plan_checkpointing(mixed, xx, budget=0.5)
     for budget, error in [(True, TypeError), ("1", TypeError), (0.0, ValueError),
                           (1.5, ValueError), (-5, ValueError)]:  # fmt: skip
         with pytest.raises(error, match=api + r"expected .*`budget`"):

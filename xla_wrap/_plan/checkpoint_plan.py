@@ -22,6 +22,12 @@ M = TypeVar("M", bound=nn.Module)
 
 _MIB = 2**20
 
+#: What a plan's `*_bytes` measure on XLA: the step's compiled peak (XLA's buffer assignment).
+COMPILED_PEAK = "compiled peak"
+#: What they measure under `torch.compile`: the bytes the compiled forward saves for backward,
+#: the model's parameters and buffers left out (AOTAutograd's partitioned graphs).
+SAVED_FOR_BACKWARD = "saved for backward"
+
 
 def summarize(choices: Iterable[str]) -> str:
     """`"2 full, 3 dots_saveable, 1 none"`: how many blocks take each choice, in the order
@@ -50,23 +56,29 @@ class CheckpointPlan:
     """Which blocks to checkpoint, and how, to fit a memory budget at the least recomputation.
 
     Made by [`xla_wrap.plan_checkpointing()`][xla_wrap.plan_checkpointing] for the model,
-    shapes and backend it measured; every figure comes from XLA (the `*_bytes` from its
-    buffer assignment, the FLOPs from the optimized HLO) except `predicted_peak_bytes`, the
-    cost model's. `print(plan)` shows a table of the blocks and their choices.
+    shapes and backend it measured. On XLA every figure comes from XLA (the `*_bytes` are
+    compiled peaks, from its buffer assignment; the FLOPs from the optimized HLO); for a
+    `torch.compile` step they come from AOTAutograd's partitioned graphs (the `*_bytes` are
+    what the compiled forward saves for backward; the FLOPs those of its graphs); `measure`
+    says which. `predicted_peak_bytes` is the cost model's. `print(plan)` shows a table of
+    the blocks and their choices.
 
     Attributes:
         choices: Every candidate block's qualified name, in call order, to its choice:
             `"none"` (left as it is), `"dots_saveable"`, `"full"` or `"offload"`.
         budget_bytes: The budget the plan was made for.
-        peak_bytes: The planned step's compiled peak.
+        peak_bytes: The planned step's compiled peak on XLA; under `torch.compile`, the bytes
+            its compiled forward saves for backward.
         predicted_peak_bytes: The cost model's peak for the plan, calibrated on the compiled
             steps (see docs/planning.md).
         recompute_flops: What the planned step computes beyond the unplanned one (FLOPs of dots
             and convolutions, compiled).
-        unplanned_peak_bytes: The compiled peak of the step without checkpointing.
+        unplanned_peak_bytes: The same figure for the step without checkpointing.
         unplanned_flops: The FLOPs of that step.
         costs: What each block keeps and recomputes under each choice (measured per block).
-        compiles: How many steps the planner compiled.
+        compiles: How many steps (and, under `torch.compile`, blocks) the planner compiled.
+        measure: What the `*_bytes` measure: `"compiled peak"` (XLA) or
+            `"saved for backward"` (`torch.compile`).
     """
 
     choices: Mapping[str, str]
@@ -78,6 +90,7 @@ class CheckpointPlan:
     unplanned_flops: int
     costs: tuple[BlockCost, ...] = ()
     compiles: int = 0
+    measure: str = COMPILED_PEAK
     # The modules the plan was made on, for FSDP's auto-wrapping (which sees modules, not names).
     _names: weakref.WeakKeyDictionary[nn.Module, str] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False, compare=False
@@ -152,11 +165,16 @@ class CheckpointPlan:
             for row in rows
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        digits = 1 if self.measure == COMPILED_PEAK else 2  # saved bytes: a smaller figure
+
+        def mib(size: int) -> str:
+            return f"{size / _MIB:.{digits}f}"
+
         lines += [
             f"blocks: {summarize(self.choices.values())}",
-            f"budget {self.budget_bytes / _MIB:.1f} MiB; compiled peak "
-            f"{self.peak_bytes / _MIB:.1f} MiB (predicted {self.predicted_peak_bytes / _MIB:.1f}, "
-            f"unplanned {self.unplanned_peak_bytes / _MIB:.1f})",
+            f"budget {mib(self.budget_bytes)} MiB; {self.measure} {mib(self.peak_bytes)} MiB "
+            f"(predicted {mib(self.predicted_peak_bytes)}, "
+            f"unplanned {mib(self.unplanned_peak_bytes)})",
             f"FLOPs {self.flops_ratio:.3f}x of the unplanned step "
             f"(+{self.recompute_flops / 1e9:.3f} GFLOP recomputed); {self.compiles} compiles",
         ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,24 +27,37 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .._core.wrapper import CheckpointWrapper, checkpoint_in_place, unwrap
 from .._inspect import hlo as _hlo
 from .._inspect import programs as introspect
 from .._inspect import residuals as _residuals
-from .._layouts import LAYER_INDEX_ATTRIBUTES
 from .._paths import xla as _xla
-from .._scan.module_list import ScannedLayers
 from .._support import fingerprint
-from .._support.checks import check_module, is_number
+from .._support.checks import check_module
 from .._support.errors import (
     BudgetUnreachableError,
     CheckpointError,
-    CheckpointTypeError,
     CheckpointValueError,
     describe,
 )
 from ..wrap_policies import WrapPolicy
-from .checkpoint_plan import CheckpointPlan, options_for, summarize
+from .blocks import (
+    API,
+    Call,
+    Progress,
+    applied,
+    budget_in_bytes,
+    capture_calls,
+    check_budget,
+    checked_choices,
+    checked_loss,
+    classes,
+    find_candidates,
+    repeated_blocks,
+    signature,
+    summed,
+)
+from .checkpoint_plan import CheckpointPlan, summarize
+from .compiled_planner import check_compiled_model, plan_compiled
 from .cost_model import (
     DOTS,
     FULL,
@@ -58,7 +70,6 @@ from .cost_model import (
     solve,
 )
 
-_API = "xla_wrap.plan_checkpointing"
 # Compiles of candidate plans after the two anchors: the model is corrected after each.
 MAX_VERIFY_COMPILES = 3
 _MIB = 2**20
@@ -92,21 +103,30 @@ def plan_checkpointing(
 
     Each candidate block gets one of `"none"` (kept as it is), `"dots_saveable"`,
     `"full"` (recompute its whole forward) and, where the backend places buffers in host
-    memory, `"offload"`. The plan minimises the FLOPs recomputed (dots and convolutions)
-    while the step's compiled peak stays within `budget`. The model is left as it was
-    (gradients, buffers and the random state included); apply the plan with
-    [`CheckpointPlan.apply()`][xla_wrap.CheckpointPlan.apply].
+    memory, `"offload"`. The plan minimises the FLOPs recomputed while the step's memory stays
+    within `budget`. The model is left as it was (gradients, buffers and the random state
+    included); apply the plan with [`CheckpointPlan.apply()`][xla_wrap.CheckpointPlan.apply].
 
-    The step measured is `loss(model(*example_args, **example_kwargs)).backward()` on the
-    XLA device, with XLA's buffer assignment read from its compile dumps: start the process
-    with [`xla_wrap.introspect.enable_compile_dumps()`][xla_wrap.introspect.enable_compile_dumps]
-    (before the first XLA device), and on XLA:CPU keep the barriers
-    (`XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`).
+    The step measured is `loss(model(*example_args, **example_kwargs)).backward()`, by the
+    device the model is on:
+
+    - **On an XLA device**, the budget bounds the step's compiled peak, read from XLA's buffer
+      assignment in its compile dumps: start the process with
+      [`xla_wrap.introspect.enable_compile_dumps()`][xla_wrap.introspect.enable_compile_dumps]
+      (before the first XLA device), and on XLA:CPU keep the barriers
+      (`XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`).
+    - **On CPU or CUDA**, the step is the one `torch.compile` makes, and the budget bounds the
+      bytes its compiled forward saves for backward (the model's parameters and buffers left
+      out), read from AOTAutograd's partitioned graphs (the min-cut partitioner's, as inductor
+      and `aot_eager` use). Every plan of the frontier between nothing checkpointed and the
+      least kept is measured once (at most 9 steps); every budget is answered from those, so
+      a lower budget never saves more. The step must compile as one graph.
 
     Args:
-        model: The model, on an XLA device, not checkpointed yet.
+        model: The model, not checkpointed yet: on an XLA device, or on CPU or CUDA.
         *example_args: Its positional inputs, with the shapes the plan is for.
-        budget: Bytes (an int), or a fraction in (0, 1] of the unplanned step's compiled peak.
+        budget: Bytes (an int), or a fraction in (0, 1] of the unplanned step's (a float):
+            its compiled peak on XLA, its bytes saved for backward under `torch.compile`.
         candidates: An [`xla_wrap.wrap_policies`][xla_wrap.wrap_policies] policy selecting the
             blocks the plan may checkpoint; by default the repeated blocks (modules of one
             class, two or more in a `ModuleList` or `Sequential`, with parameters).
@@ -114,44 +134,63 @@ def plan_checkpointing(
             its floating-point tensors.
         choices: The choices open to every block besides `"none"`, among
             `"dots_saveable"`, `"full"` and `"offload"`; by default all of them that the
-            backend supports. `choices=("full",)` plans whole-block recomputation only.
+            backend supports (`"offload"`: never under `torch.compile`).
+            `choices=("full",)` plans whole-block recomputation only.
         progress: Print what it compiles, and how long that took, to stderr.
         **example_kwargs: Its keyword inputs.
 
     Returns:
-        The plan, with the compiled peak of the planned step and what it recomputes.
+        The plan, with the measured memory of the planned step and what it recomputes.
 
     Raises:
         CheckpointTypeError: If an argument has the wrong type.
-        BudgetUnreachableError: If the budget is below the smallest reachable peak (the
+        BudgetUnreachableError: If the budget is below the smallest reachable figure (the
             message names it, `smallest_peak_bytes` holds it).
         CheckpointValueError: If no candidate is found, or a candidate is nested in another, already
             checkpointed, scanned or called more than once.
-        CheckpointError: If the step cannot be measured here (no compile dumps, barriers
-            stripped on XLA:CPU).
+        CheckpointError: If the step cannot be measured here (on XLA: no compile dumps,
+            barriers stripped on XLA:CPU; under `torch.compile`: a graph break).
 
     Examples:
         >>> plan = xla_wrap.plan_checkpointing(model, x, budget=0.5)  # doctest: +SKIP
         >>> print(plan)                                               # doctest: +SKIP
         >>> plan.apply(model)                                         # doctest: +SKIP
     """
+    model = check_module(API, model, "the nn.Module to plan for")
+    check_budget(budget)
+    loss_fn = summed if loss is None else checked_loss(loss)
+    if not any(_xla.is_xla_tensor(t) for t in (*model.parameters(), *model.buffers())):
+        check_compiled_model(model)
+        return plan_compiled(
+            model,
+            example_args,
+            example_kwargs,
+            budget=budget,
+            candidates=candidates,
+            loss=loss_fn,
+            choices=choices,
+            progress=progress,
+        )
     device = _check_model(model)
-    _check_budget(budget)
-    open_choices = _open_choices(choices)
-    blocks = _candidates(model, candidates)
-    loss_fn = _summed if loss is None else _checked_loss(loss)
-    say = _Progress(progress)
+    open_choices = checked_choices(
+        choices,
+        (DOTS, FULL) + ((OFFLOAD,) if _xla.host_offload_supported() else ()),
+        "needs a backend that places buffers in host memory (TPU, GPU); this one cannot "
+        "(docs/offload.md)",
+    )
+    blocks = find_candidates(model, candidates)
+    say = Progress(progress)
     step = _Step(model, example_args, example_kwargs, loss_fn, dict(blocks), device, say)
     with _model_left_unchanged(model, device):
-        calls = _capture_calls(model, blocks, example_args, example_kwargs)
+        calls = capture_calls(model, blocks, example_args, example_kwargs)
         not_called = [name for name, _ in blocks if name not in calls]
         say(
-            f"{len(calls)} candidate blocks ({_classes(calls.values())}); tracing each choice"
+            f"{len(calls)} candidate blocks ({classes(calls.values())}); tracing each choice"
             + (f" ({len(not_called)} never called: left as they are)" if not_called else "")
         )
         costs = _block_costs(calls, open_choices)
         unplanned = step.measure({}, "the unplanned step")
-        budget_bytes = _budget_bytes(budget, unplanned.peak_bytes)
+        budget_bytes = budget_in_bytes(budget, unplanned.peak_bytes)
         names = [cost.name for cost in costs]
 
         def choices_of(chosen: Sequence[str]) -> dict[str, str]:
@@ -222,136 +261,35 @@ def plan_checkpointing(
 # --- what the planner is given -----------------------------------------------------------
 
 
-def _check_model(model: object) -> torch.device:
-    model = check_module(_API, model, "the nn.Module to plan for")
+def _check_model(model: nn.Module) -> torch.device:
     tensors = [*model.parameters(), *model.buffers()]
     if not tensors or not all(_xla.is_xla_tensor(t) for t in tensors):
         where = sorted({str(t.device) for t in tensors}) or ["no parameters"]
         raise CheckpointValueError(
-            f"{_API}: expected a model on an XLA device (the plan rests on XLA's compiled "
-            f"peak), got one on {', '.join(where)}. Move it first: "
-            "`model.to(torch_xla.device())`."
+            f"{API}: expected a model on one kind of device (XLA for XLA's compiled peak; CPU "
+            f"or CUDA for a torch.compile step), got one on {', '.join(where)}. Move it all "
+            "first: `model.to(torch_xla.device())`."
         )
     device = tensors[0].device
     if introspect.dump_directory() is None:
         raise CheckpointError(
-            f"{_API}: expected XLA to dump its compilations (the compiled peak comes from its "
+            f"{API}: expected XLA to dump its compilations (the compiled peak comes from its "
             "buffer assignment), got a process started without. Call "
             "`xla_wrap.introspect.enable_compile_dumps()` before the first XLA device is "
             "created, or start Python with XLA_FLAGS=--xla_dump_to=DIR."
         )
     if _xla.barriers_stripped_here():
         raise CheckpointError(
-            f"{_API}: expected a backend that keeps optimization barriers, got XLA:CPU with "
+            f"{API}: expected a backend that keeps optimization barriers, got XLA:CPU with "
             f"{_xla.BARRIER_STRIPPING_PASS} on: every plan would show the unplanned peak. "
             f"Start Python with XLA_FLAGS={_xla.KEEP_BARRIERS_FLAG} to plan on a CPU."
         )
     return device
 
 
-def _candidates(model: nn.Module, candidates: WrapPolicy | None) -> list[tuple[str, nn.Module]]:
-    if candidates is None:
-        blocks = repeated_blocks(model)
-        if not blocks:
-            raise CheckpointValueError(
-                f"{_API}: found no repeated blocks in {type(model).__name__} (modules of one "
-                "class, two or more in a ModuleList or Sequential). Say which blocks the plan "
-                "may checkpoint: `candidates=xla_wrap.wrap_policies.by_type(Block)`."
-            )
-    elif isinstance(candidates, WrapPolicy):
-        blocks = [(n, m) for n, m in candidates.select(model) if m is not model]
-        if not blocks:
-            raise CheckpointValueError(
-                f"{_API}: the policy {candidates!r} selects no submodule of "
-                f"{type(model).__name__}. Check the classes, names or sizes it looks for."
-            )
-    else:
-        raise CheckpointTypeError(
-            f"{_API}: expected a wrap policy (xla_wrap.wrap_policies) as `candidates`, got "
-            f"{describe(candidates)}. Example: `candidates=xla_wrap.wrap_policies.by_type(Block)`."
-        )
-    for name, module in model.named_modules():
-        if isinstance(module, (CheckpointWrapper, ScannedLayers)):
-            what = "checkpointed" if isinstance(module, CheckpointWrapper) else "scanned"
-            raise CheckpointValueError(
-                f"{_API}: expected a model without checkpointing, got {name or 'the model'} "
-                f"{what} already. Plan on the model as it is without it (`xla_wrap.unwrap`), "
-                "then apply the plan."
-            )
-    inside = {id(m): n for n, m in blocks}
-    for name, module in blocks:
-        for sub in module.modules():
-            if sub is not module and id(sub) in inside:
-                raise CheckpointValueError(
-                    f"{_API}: candidate {inside[id(sub)]!r} lies inside candidate {name!r}; a "
-                    "checkpoint cannot nest in another. Narrow `candidates` to one level."
-                )
-    return blocks
-
-
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules with parameters whose class occurs at least twice among the children of a
-    `ModuleList` or `Sequential`, outermost first; nothing inside them is looked at."""
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        children = list(module.named_children())
-        repeated: set[type] = set()
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            classes = [type(c) for _, c in children if any(True for _ in c.parameters())]
-            repeated = {cls for cls in classes if classes.count(cls) > 1}
-        for name, child in children:
-            qualified = f"{prefix}{name}"
-            if type(child) in repeated:
-                found.append((qualified, child))
-            else:
-                visit(f"{qualified}.", child)
-
-    visit("", model)
-    return found
-
-
-def _checked_loss(loss: object) -> Callable[[Any], torch.Tensor]:
-    if not callable(loss):
-        raise CheckpointTypeError(
-            f"{_API}: expected a callable `loss(output) -> scalar tensor`, got {describe(loss)}."
-        )
-    return loss
-
-
-def _summed(output: Any) -> torch.Tensor:
-    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-    floating = [t.float().sum() for t in tensors if t.is_floating_point() and t.requires_grad]
-    if not floating:
-        raise CheckpointValueError(
-            f"{_API}: the model's output has no floating-point tensor that requires grad, so "
-            "there is no backward to plan. Pass `loss=` to say what to differentiate."
-        )
-    return torch.stack(floating).sum()
-
-
-def _check_budget(budget: object) -> None:
-    if not is_number(budget):
-        raise CheckpointTypeError(
-            f"{_API}: expected `budget` in bytes (int) or as a fraction of the unplanned peak "
-            f"(float in (0, 1]), got {describe(budget)}."
-        )
-    if isinstance(budget, float) and not 0 < budget <= 1:
-        raise CheckpointValueError(
-            f"{_API}: expected a fraction in (0, 1] of the unplanned peak as a float "
-            f"`budget`, got {budget}. Pass bytes as an int (`budget=16 * 2**30`)."
-        )
-    if isinstance(budget, int) and budget <= 0:
-        raise CheckpointValueError(f"{_API}: expected a positive `budget` in bytes, got {budget}.")
-
-
-def _budget_bytes(budget: int | float, unplanned: int) -> int:
-    return int(budget * unplanned) if isinstance(budget, float) else budget
-
-
 def _raise_unreachable(budget: int, reachable: int, unplanned: int) -> None:
     raise BudgetUnreachableError(
-        f"{_API}: no plan fits a budget of {budget / _MIB:.1f} MiB: the smallest reachable "
+        f"{API}: no plan fits a budget of {budget / _MIB:.1f} MiB: the smallest reachable "
         f"peak is {reachable / _MIB:.1f} MiB ({reachable} bytes, the least of the steps compiled), "
         f"and the unplanned step peaks at {unplanned / _MIB:.1f} MiB. Raise the budget to at "
         "least that, let more blocks be candidates (`candidates=`), or shrink the batch.",
@@ -362,123 +300,16 @@ def _raise_unreachable(budget: int, reachable: int, unplanned: int) -> None:
 # --- measuring -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _StandIn:
-    """What a block's input tensor was: each trace gets fresh zeros of it on the device."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool
-    identity: int  # inputs shared between blocks (masks) stay shared within a trace
-
-    def __repr__(self) -> str:  # part of a block's signature: no identity
-        return f"StandIn({self.shape}, {self.dtype}, {self.requires_grad})"
-
-
-@dataclass(frozen=True)
-class _Call:
-    """A candidate's first call in the traced forward, its tensors replaced by stand-ins."""
-
-    module: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Fresh zeros on the device for the stand-ins. Fresh for every trace: a checkpoint
-        may put its barrier on its inputs in place, and the next trace must not inherit it;
-        data, not the model's forward up to the block, so the block's HLO is its own."""
-        made: dict[int, torch.Tensor] = {}
-
-        def make(value: Any) -> Any:
-            if not isinstance(value, _StandIn):
-                return value
-            if value.identity not in made:
-                zeros = torch.zeros(value.shape, dtype=value.dtype).to(value.device)
-                made[value.identity] = zeros.requires_grad_(value.requires_grad)
-            return made[value.identity]
-
-        return pytree.tree_map(make, (self.args, self.kwargs))
-
-
-def _capture_calls(
-    model: nn.Module,
-    blocks: list[tuple[str, nn.Module]],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> dict[str, _Call]:
-    """Trace one forward (nothing runs) and record each candidate's inputs, in call order,
-    and which of them require grad."""
-    calls: dict[str, _Call] = {}
-    originals: list[torch.Tensor] = []  # alive until the end, so ids are not reused
-
-    def stand_in(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        originals.append(value)
-        return _StandIn(
-            tuple(value.shape), value.dtype, value.device, value.requires_grad, id(value)
-        )
-
-    def recorder(name: str) -> Callable[..., None]:
-        def record(module: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
-            if name in calls:
-                raise CheckpointValueError(
-                    f"{_API}: candidate {name!r} is called more than once in a forward; its "
-                    "cost would count once per call. Leave it out of `candidates`."
-                )
-            a, k = pytree.tree_map(stand_in, (a, k))
-            calls[name] = _Call(module, a, k)
-
-        return record
-
-    handles = [
-        module.register_forward_pre_hook(recorder(name), with_kwargs=True)
-        for name, module in blocks
-    ]
-    try:
-        with torch.enable_grad():
-            model(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    originals.clear()
-    return calls  # in call order
-
-
-def _open_choices(choices: Sequence[str] | None) -> tuple[str, ...]:
-    supported = (DOTS, FULL) + ((OFFLOAD,) if _xla.host_offload_supported() else ())
-    if choices is None:
-        return (NONE, *supported)
-    if isinstance(choices, str) or not all(isinstance(c, str) for c in choices):
-        raise CheckpointTypeError(
-            f"{_API}: expected a sequence of choice names as `choices`, got "
-            f'{describe(choices)}. Example: `choices=("full",)`.'
-        )
-    unknown = [c for c in choices if c not in (NONE, DOTS, FULL, OFFLOAD)]
-    if unknown or not choices:
-        raise CheckpointValueError(
-            f"{_API}: expected `choices` among {', '.join((DOTS, FULL, OFFLOAD))}, got "
-            f'{list(choices)}. A block may always be left as it is ("none").'
-        )
-    if OFFLOAD in choices and OFFLOAD not in supported:
-        raise CheckpointValueError(
-            f'{_API}: "offload" needs a backend that places buffers in host memory (TPU, '
-            "GPU); this one cannot (docs/offload.md). Leave it out of `choices`."
-        )
-    return (NONE, *(c for c in (DOTS, FULL, OFFLOAD) if c in choices))
-
-
-def _block_costs(calls: Mapping[str, _Call], open_choices: tuple[str, ...]) -> list[BlockCost]:
+def _block_costs(calls: Mapping[str, Call], open_choices: tuple[str, ...]) -> list[BlockCost]:
     traced = (*open_choices, FULL) if FULL not in open_choices else open_choices
     known: dict[object, tuple[dict[str, int], dict[str, int]]] = {}
     costs = []
     for name, call in calls.items():
-        key = _signature(call)
+        key = signature(call)
         if key not in known:
             kept, flops = {}, {}
             for choice in traced:
-                with _applied({name: call.module}, {name: choice}):
+                with applied({name: call.module}, {name: choice}):
                     kept[choice], flops[choice] = _traced_cost(call)
             known[key] = kept, flops
         kept, flops = known[key]
@@ -496,7 +327,7 @@ def _block_costs(calls: Mapping[str, _Call], open_choices: tuple[str, ...]) -> l
     return costs
 
 
-def _traced_cost(call: _Call) -> tuple[int, int]:
+def _traced_cost(call: Call) -> tuple[int, int]:
     """Bytes the block's forward keeps for backward (its activations and the inputs it saves),
     and the FLOPs of its traced forward and backward. Nothing is executed."""
     args, kwargs = call.inputs()
@@ -527,41 +358,6 @@ def _traced_cost(call: _Call) -> tuple[int, int]:
     return kept, _hlo.flops(introspect.pending_hlo(pending))
 
 
-def _signature(call: _Call) -> object:
-    """Blocks with the same signature cost the same: class, tensors, settings, inputs."""
-    module = call.module
-    flat, spec = pytree.tree_flatten((call.args, call.kwargs))
-    # Blocks differing only in a layer index are costed once (a guess the compiled check
-    # verifies).
-    return (
-        type(module),
-        module.training,
-        fingerprint.parameter_entries(module),
-        fingerprint.buffer_entries(module),
-        tuple(
-            (n, type(m), m.training, fingerprint.plain_settings(m, LAYER_INDEX_ATTRIBUTES))
-            for n, m in module.named_modules()
-        ),
-        str(spec),
-        tuple(repr(v) for v in flat),
-    )
-
-
-@contextmanager
-def _applied(modules: Mapping[str, nn.Module], choices: Mapping[str, str]) -> Iterator[None]:
-    """Checkpoint `modules` by their `choices` for the duration, then undo it."""
-    wrapped = []
-    try:
-        for name, choice in choices.items():
-            options = options_for(_API, choice)
-            if options is not None:
-                wrapped.append(checkpoint_in_place(_API, modules[name], options))
-        yield
-    finally:
-        for module in wrapped:
-            unwrap(module)
-
-
 def measure_choices(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -575,7 +371,7 @@ def measure_choices(
     them; `model` is left as it was. For the bench's uniform plans."""
     blocks = dict(repeated_blocks(model))
     device = next(model.parameters()).device
-    step = _Step(model, args, kwargs, _summed, blocks, device, _Progress(progress))
+    step = _Step(model, args, kwargs, summed, blocks, device, Progress(progress))
     with _model_left_unchanged(model, device):
         return {label: step.measure(choices, label) for label, choices in labelled_choices.items()}
 
@@ -615,7 +411,7 @@ class _Step:
         loss: Callable[[Any], torch.Tensor],
         modules: dict[str, nn.Module],
         device: torch.device,
-        say: _Progress,
+        say: Progress,
     ) -> None:
         self.model, self.args, self.kwargs, self.loss = model, args, kwargs, loss
         self.modules, self.device, self.say = modules, device, say
@@ -656,7 +452,7 @@ class _Step:
             value = self.loss(self.model(*self.args, **self.kwargs))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise CheckpointValueError(
-                    f"{_API}: expected `loss` to return a scalar tensor, got "
+                    f"{API}: expected `loss` to return a scalar tensor, got "
                     f"{describe(value)}. Reduce the output to one number (`.sum()`, `.mean()`)."
                 )
             value.backward()
@@ -666,7 +462,7 @@ class _Step:
             _xla.sync()
             del fresh
 
-        with _applied(self.modules, choices):
+        with applied(self.modules, choices):
             program = introspect.compiled_memory(run)
         for p in self.model.parameters():
             p.grad = None
@@ -720,17 +516,3 @@ class _Calibrated:
             return tuple([NONE] * len(self.costs)) if fits else None
         limit = self.modelled_unplanned - (self.unplanned_peak - budget) / self.scale
         return solve(self.costs, math.floor(limit))
-
-
-class _Progress:
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def __call__(self, message: str, *, end: str = "\n", start: str = f"{_API}: ") -> None:
-        if self.enabled:
-            print(f"{start}{message}", end=end, file=sys.stderr, flush=True)
-
-
-def _classes(calls: Any) -> str:
-    names = sorted({type(call.module).__name__ for call in calls})
-    return ", ".join(names) or "none"

@@ -11,8 +11,9 @@ module class (xla_wrap/_core/wrapper.py), and the warnings already given
 
 State one room alone reads lives in that room, declared at the top of its module: XLA's
 per-step seed tables (xla_wrap/_paths/xla/rng.py, `_SeedTables`, per thread; a step closure
-empties them at the step marker they belong to) and the planner's measured steps
-(xla_wrap/_plan/planner.py, `_PlannerState`).
+empties them at the step marker they belong to) and the planners' measured steps
+(xla_wrap/_plan/planner.py, `_PlannerState`; xla_wrap/_plan/compiled_planner.py,
+`_CompiledPlannerState`).
 
 Kept elsewhere, by design: per-process probes cached with `functools.cache` whose answer
 cannot change (XLA flags and ops: xla_wrap/_paths/xla/), the recording classes made for

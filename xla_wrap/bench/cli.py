@@ -113,7 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the torch.compile section instead (and, with torch_xla, the openxla backend with "
         "and without barriers at 4 and 8 blocks): the transformer compiled with inductor on the "
         "CPU, none against PyTorch's checkpoint wrapper and xla_wrap (default, dots_saveable): "
-        "graph breaks, bytes saved for backward, backward matmuls, compile seconds, step time",
+        "graph breaks, bytes saved for backward, backward matmuls, compile seconds, step time; "
+        "a depth sweep (loop against scan); and xla_wrap's plan against PyTorch's "
+        "activation_memory_budget at 5 budgets",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument(
@@ -309,6 +311,15 @@ def _compile_main(args: argparse.Namespace) -> int:
     sweep = compiled.sweep(depths, lambda line: print(line, flush=True))
     print()
     print(compiled.render_sweep(sweep))
+    fractions = compiled.QUICK_BUDGET_FRACTIONS if args.quick else compiled.BUDGET_FRACTIONS
+    backend = "aot_eager" if args.quick else "inductor"
+    print(f"\nbudgets {fractions}: PyTorch's activation_memory_budget and xla_wrap's plan, "
+          f"step times on {backend} ...", flush=True)  # fmt: skip
+    budgets = compiled.budgets(
+        sizes, fractions, args.steps, lambda line: print(line, flush=True), backend
+    )
+    print()
+    print(compiled.render_budgets(budgets))
     args.out.mkdir(parents=True, exist_ok=True)
     openxla = _openxla_rows(args.quick, args.out)
     json_path = args.out / "compile.json"
@@ -319,6 +330,7 @@ def _compile_main(args: argparse.Namespace) -> int:
                 "steps": args.steps,
                 "runs": results,
                 "sweep": sweep,
+                "budgets": budgets,
                 "openxla": openxla,
             },
             indent=2,

@@ -15,6 +15,12 @@ at 4, 16 and 32 blocks, every block checkpointed, as a `checkpoint_wrapper` loop
 `ScannedLayers`, on `aot_eager` and on inductor: compile seconds, bytes saved for backward,
 whether the stack compiled as one nested compile region per layer, and the gradients against
 the loop's.
+
+The budget rows (`budgets()`) set xla_wrap's planner
+([`xla_wrap.plan_checkpointing`][xla_wrap.plan_checkpointing] on the CPU) beside PyTorch's
+`torch._functorch.config.activation_memory_budget` at the same fractions, on the bench
+transformer: bytes saved for backward (parameters and buffers left out, for both), backward
+matmuls and FLOPs (the partitioned graphs), and inductor's median step time against none.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 
 from .. import introspect
-from ..internal import compiles_layers_once
+from ..internal import compiles_layers_once, summarize
 from .models import TransformerBlock, Workload, build
 
 VARIANTS = ("none", "torch checkpoint_wrapper", "xla_wrap", "xla_wrap dots_saveable")
@@ -253,5 +259,116 @@ def render_sweep(rows: list[dict[str, Any]]) -> str:
             f"{'yes' if r['one_region_per_layer'] else 'no':>8}{r['compile_s']:>11.1f}"
             f"{r['compile_vs_loop']:>8.2f}x{r['saved_bytes'] / 2**20:>11.2f}"
             f"{r['saved_vs_loop']:>8.2f}x  {'yes' if r['grads_equal_loop'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+BUDGET_FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1)
+QUICK_BUDGET_FRACTIONS = (0.5, 0.1)
+
+
+def _budget_row(
+    solver: str,
+    fraction: float,
+    work: Workload,
+    steps: int,
+    backend: str,
+    memory_budget: float = 1.0,
+) -> dict[str, Any]:
+    """One budget row: the partitioned graphs, then the step time under `backend`, with
+    PyTorch's `activation_memory_budget` (1.0: its default partition)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with functorch_config.patch(activation_memory_budget=memory_budget):
+        torch._dynamo.reset()
+        graphs = introspect.PartitionedGraphs()
+        _step(work, torch.compile(work.model, backend=graphs.backend, fullgraph=True))
+        torch._dynamo.reset()
+        with inductor_config.patch(fallback_random=True):
+            compiled = torch.compile(work.model, backend=backend, fullgraph=True)
+            _step(work, compiled)  # compiled under the budget
+    times = []
+    _step(work, compiled)  # warm
+    with inductor_config.patch(fallback_random=True):
+        for _ in range(steps):
+            started = time.perf_counter()
+            _step(work, compiled)
+            times.append(time.perf_counter() - started)
+    state = [*work.model.parameters(), *work.model.buffers()]
+    return {
+        "solver": solver,
+        "fraction": fraction,
+        "saved_bytes": graphs.saved_bytes(excluding=state),
+        "backward_matmuls": graphs.backward_ops(*_MATMULS),
+        "backward_gflop": graphs.backward_flops() / 1e9,
+        "step_ms": statistics.median(times) * 1e3,
+    }
+
+
+def budgets(
+    sizes: dict[str, int],
+    fractions: tuple[float, ...],
+    steps: int,
+    progress: Callable[[str], None],
+    backend: str = "inductor",
+) -> list[dict[str, Any]]:
+    """At each fraction, PyTorch's `activation_memory_budget` on the plain transformer, and
+    xla_wrap's plan for that fraction of the unplanned step's saved bytes; a row without
+    checkpointing first. The plans are made once (the frontier), then applied to copies.
+    Step times under `backend` (the bench's quick run: `aot_eager`, which compiles fast)."""
+    import copy
+
+    import xla_wrap
+
+    work = build("transformer", sizes)
+    _budget_row("none", 1.0, work, 1, backend)  # the backend's first use here, untimed
+    rows = [_budget_row("none", 1.0, work, steps, backend)]
+    for fraction in fractions:
+        progress(f"budget {fraction}: activation_memory_budget ...")
+        rows.append(
+            _budget_row("activation_memory_budget", fraction, work, steps, backend, fraction)
+        )
+        progress(f"budget {fraction}: xla_wrap.plan_checkpointing ...")
+        try:
+            plan = xla_wrap.plan_checkpointing(
+                work.model, *work.args, budget=fraction, progress=False, **work.kwargs
+            )
+        except xla_wrap.BudgetUnreachableError as error:  # PyTorch's op-level solver goes lower
+            least = error.smallest_peak_bytes
+            rows.append({"solver": "xla_wrap plan", "fraction": fraction, "least_bytes": least})
+            continue
+        planned = copy.deepcopy(work)
+        plan.apply(planned.model)
+        row = _budget_row("xla_wrap plan", fraction, planned, steps, backend)
+        rows.append({**row, "plan": summarize(plan.choices.values())})
+    unplanned = rows[0]
+    for row in rows:
+        row["backend"] = backend
+        if "least_bytes" in row:
+            continue
+        row["saved_vs_none"] = row["saved_bytes"] / unplanned["saved_bytes"]
+        row["time_vs_none"] = row["step_ms"] / unplanned["step_ms"]
+    return rows
+
+
+def render_budgets(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'fraction':>8}  {'solver':<26}{'saved MiB':>10}{'vs none':>9}{'bw matmuls':>12}"
+        f"{'bw GFLOP':>10}{'step ms':>9}{'vs none':>9}  plan"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if "least_bytes" in r:
+            least = r["least_bytes"] / 2**20
+            lines.append(
+                f"{r['fraction']:>8.2f}  {r['solver']:<26}{'-':>10}{'-':>9}{'-':>12}{'-':>10}"
+                f"{'-':>9}{'-':>9}  unreachable: the least a plan saves is {least:.2f} MiB"
+            )
+            continue
+        lines.append(
+            f"{r['fraction']:>8.2f}  {r['solver']:<26}{r['saved_bytes'] / 2**20:>10.2f}"
+            f"{r['saved_vs_none']:>8.2f}x{r['backward_matmuls']:>12}{r['backward_gflop']:>10.3f}"
+            f"{r['step_ms']:>9.1f}{r['time_vs_none']:>8.2f}x  {r.get('plan', '')}"
         )
     return "\n".join(lines)

@@ -3,7 +3,7 @@ keeps, read back for [`xla_wrap.introspect`][xla_wrap.introspect]."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -49,21 +49,39 @@ class PartitionedGraphs:
 
         self.forward: torch.fx.GraphModule | None = None
         self.backward: torch.fx.GraphModule | None = None
+        # The ids of the tensors Dynamo passed in, by position: the forward graph's placeholders
+        # in the same order (parameters and buffers are lifted to inputs).
+        self._input_ids: list[int] = []
+        # How many of the forward graph's outputs are not saved for backward: the function's
+        # own and the inputs it mutates (BatchNorm's running statistics), as AOTAutograd says.
+        self._returns: int | None = None
 
         def keep(kind: str) -> Callable[..., Any]:
             def compiler(gm: torch.fx.GraphModule, _: Any) -> Any:
                 setattr(self, kind, gm)
+                if kind == "forward":
+                    context = torch._guards.TracingContext.try_get()
+                    metadata = getattr(context, "fw_metadata", None)
+                    self._returns = getattr(metadata, "num_forward_returns", None)
                 return make_boxed_func(gm.forward)
 
             return compiler
 
-        self.backend = runs_regions_as_they_are(
-            aot_autograd(
-                fw_compiler=keep("forward"),
-                bw_compiler=keep("backward"),
-                partition_fn=min_cut_rematerialization_partition,
-            )
+        partitioned = aot_autograd(
+            fw_compiler=keep("forward"),
+            bw_compiler=keep("backward"),
+            partition_fn=min_cut_rematerialization_partition,
+            # As aot_eager and inductor: inputs updated in place that need no gradient
+            # (BatchNorm's statistics) are updated inside the graph; outside it, a copy back
+            # would bump the version of one the recomputation saved, and backward refuses.
+            keep_inference_input_mutations=True,
         )
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            self._input_ids = [id(t) for t in example_inputs]
+            return partitioned(gm, example_inputs)
+
+        self.backend = runs_regions_as_they_are(backend)
 
     def _graph(self, kind: str) -> torch.fx.GraphModule:
         graph: torch.fx.GraphModule | None = getattr(self, kind)
@@ -74,29 +92,79 @@ class PartitionedGraphs:
             )
         return graph
 
-    def saved_bytes(self, outputs: int = 1) -> int:
+    def saved_bytes(
+        self, outputs: int | None = None, *, excluding: Iterable[torch.Tensor] = ()
+    ) -> int:
         """What the forward keeps for backward, in bytes.
 
-        That is, the forward graph's outputs after the compiled function's own `outputs` (one: a
-        loss, or a tensor).
+        That is, the forward graph's outputs after the compiled function's own results and the
+        new values of the inputs it mutates (BatchNorm's running statistics).
 
         Args:
-            outputs: How many of the forward graph's outputs are the compiled function's
-                own results (not saved for backward); 1 for a function returning one tensor.
+            outputs: How many of the forward graph's outputs are not saved for backward; by
+                default what AOTAutograd counted (the function's outputs and the inputs it
+                mutates), or 1 where it did not say.
+            excluding: Inputs of the compiled function not to count where the forward saves
+                them as they came in: pass the model's parameters and buffers to count only
+                what checkpointing can free (`model.parameters()` live through the step anyway).
 
         Returns:
             The size in bytes of the tensors the forward graph saves for backward (inputs
-            and parameters it saves included).
+            and parameters it saves included, but for `excluding`).
 
         Raises:
             CheckpointValueError: If no step has been compiled with `backend` yet.
         """
-        output = next(n for n in self._graph("forward").graph.nodes if n.op == "output")
+        forward = self._graph("forward")
+        placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+        skipped = {id(t) for t in excluding}
+        # Placeholders pair with Dynamo's inputs only where AOTAutograd added none of its own.
+        paired = len(placeholders) == len(self._input_ids)
+        not_counted = {
+            node
+            for node, input_id in zip(placeholders, self._input_ids, strict=False)
+            if paired and input_id in skipped
+        }
+        if outputs is None:
+            outputs = 1 if self._returns is None else self._returns
+        output = next(n for n in forward.graph.nodes if n.op == "output")
         values = [
-            a.meta.get("val") for a in output.args[0][outputs:] if isinstance(a, torch.fx.Node)
+            a.meta.get("val")
+            for a in output.args[0][outputs:]
+            if isinstance(a, torch.fx.Node) and a not in not_counted
         ]
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         return sum(int(v.numel()) * v.element_size() for v in tensors)  # int: a size's hint
+
+    def forward_flops(self) -> int:
+        """The FLOPs of the forward graph's matrix products, convolutions and attention.
+
+        Counted from the nodes' shapes with `torch.utils.flop_counter`'s formulas, as
+        `FlopCounterMode` counts a run.
+
+        Returns:
+            The FLOPs of the operations in the forward graph that `torch.utils.flop_counter`
+            has a formula for.
+
+        Raises:
+            CheckpointValueError: If no step has been compiled with `backend` yet.
+        """
+        return _flops(self._graph("forward"))
+
+    def backward_flops(self) -> int:
+        """The FLOPs of the backward graph's matrix products, convolutions and attention.
+
+        Counted as [`forward_flops()`][xla_wrap.introspect.PartitionedGraphs.forward_flops];
+        with recomputation, the forward's operations recomputed count too.
+
+        Returns:
+            The FLOPs of the operations in the backward graph that `torch.utils.flop_counter`
+            has a formula for.
+
+        Raises:
+            CheckpointValueError: If no backward has been compiled with `backend` yet.
+        """
+        return _flops(self._graph("backward"))
 
     def backward_ops(self, *packets: Any) -> int:
         """How many calls of these ATen operations the backward graph makes.
@@ -147,3 +215,19 @@ def _run_nodes(graph: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
             yield from _run_nodes(getattr(graph, node.args[0].target))
         else:
             yield node
+
+
+def _flops(graph: torch.fx.GraphModule) -> int:
+    """The FLOPs `graph` runs, by `torch.utils.flop_counter`'s formulas on its nodes' shapes."""
+    from torch.utils.flop_counter import flop_registry
+
+    def value(arg: Any) -> Any:
+        return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+    total = 0
+    for node in _run_nodes(graph):
+        formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+        if node.op == "call_function" and formula is not None:
+            args, kwargs = torch.utils._pytree.tree_map(value, (node.args, node.kwargs))
+            total += int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    return total
