@@ -6,8 +6,10 @@ numbers.
    stand-in inputs. What autograd saves gives the bytes the choice keeps; the dots and
    convolutions of the traced HLO give the FLOPs it recomputes. Alike blocks are traced once.
 2. **Compile two anchors**: the step without checkpointing and with every candidate fully
-   recomputed. They calibrate the cost model (`cost_model`) to XLA's buffer
-   assignment: compiled peak = unplanned peak - scale x (the bytes the model says are saved).
+   recomputed. They calibrate the cost model (`cost_model`) to XLA's buffer assignment:
+   compiled peak = unplanned peak - scale x (the bytes the model says are saved). Where
+   `dots_saveable` is a choice, the step with every candidate on it is compiled too: it
+   recomputes the fewest FLOPs that save anything, and the model misjudges it by a few percent.
 3. **Solve exactly** for the least recomputation under the budget, compile the plan, and
    correct the model by what it missed; a bounded number of times.
 """
@@ -220,6 +222,15 @@ def plan_checkpointing(
         ):
             measured[lowest] = step.measure(choices_of(lowest), "the lowest modelled peak")
             allowed.append(lowest)
+        # Every block keeping its products recomputes the fewest FLOPs that save anything: the
+        # cost model, fitted on full recomputation, misjudges it by a few percent, too much to
+        # leave to the solver near a budget.
+        all_dots = (DOTS,) * len(costs)
+        if DOTS in open_choices and all_dots not in measured:
+            measured[all_dots] = step.measure(
+                choices_of(all_dots), "every candidate keeping its products"
+            )
+            allowed.append(all_dots)
         reachable = min(measured[c].peak_bytes for c in allowed)
         if budget_bytes < reachable:
             _raise_unreachable(budget_bytes, reachable, unplanned.peak_bytes)
