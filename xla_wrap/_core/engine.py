@@ -9,11 +9,12 @@ placeholders stand for, and hands the gradients on to the block's own graph. The
 everywhere below; the code cites them.
 
 Rule 1 (one barrier over everything the recomputation reads). The saved inputs, the values a
-  save policy kept, the incoming output gradients, and the owners' parameters and buffers go
-  through ONE optimization barrier together, and the recomputation and the block's backward read
-  only its outputs. Reading from the barrier makes the recomputation a new value for XLA (CSE
-  cannot merge it back into the forward) and makes it wait for the gradients (it cannot be
-  scheduled early, where it would keep the activations alive again). JAX's recipe; docs/index.md.
+  save policy kept, the incoming output gradients, the owners' parameters and buffers, and the
+  seeds of the block's random draws (Rule 9) go through ONE optimization barrier together, and
+  the recomputation and the block's backward read only its outputs. Reading from the barrier
+  makes the recomputation a new value for XLA (CSE cannot merge it back into the forward) and
+  makes it wait for the gradients (it cannot be scheduled early, where it would keep the
+  activations alive again). JAX's recipe; docs/index.md.
   Eager paths have nothing to reorder: there the recomputation reads the values themselves
   (as PyTorch's checkpoint does), and only the buffers are copies (Rule 7).
 Rule 2 (the gate goes first). The gate holds every output that requires grad, so its backward
@@ -40,6 +41,10 @@ Rule 7 (what is replayed). The recomputation runs with the forward's random gene
   named instead of a wrong gradient.
 Rule 8 (no in-place change of inputs). A block that modifies one of its inputs in place is
   refused when its forward returns: the recomputation would start from the modified value.
+Rule 9 (draws wait for the barrier). Where a barrier orders the recomputation, a block that drew
+  random numbers has the seeds its recomputation starts from go through the barrier too, and
+  the recomputed Dropout draws its masks from them: the same numbers, which XLA then cannot
+  compute (and hold) before the block's gradients arrive (xla_wrap/_paths/xla/draws.py).
 """
 
 from __future__ import annotations
@@ -129,6 +134,9 @@ class ForwardRecord:
     # (SPMD shardings on XLA); None: nothing.
     output_notes: list[object | None] | None
     hooks: tuple[CheckpointHook, ...]  # those that act on this checkpoint (Rule 7)
+    # The generators of `path` as the forward started (Rule 9): set where the block drew random
+    # numbers and a barrier orders its recomputation; None otherwise.
+    seeded: object | None
 
     @property
     def api(self) -> str:
@@ -167,6 +175,8 @@ def _record_forward(
     replay.refuse_unreplayable(call.api)
     if path is _paths.EAGER:  # a block that reads its XLA tensors from a closure only
         path = _paths.path_of(outputs.tensors)
+    captured = replay.captured(path)
+    seeded = captured if path.barriers and captured is not None and path.drew(captured) else None
     record = ForwardRecord(
         call=call,
         inputs=inputs.without_tensors(),
@@ -183,6 +193,7 @@ def _record_forward(
             if (h.device_types is None or path.name in h.device_types)
             and (h.library is None or h.library in sys.modules)
         ),
+        seeded=seeded,
     )
     return record, outputs, buffers
 
@@ -246,6 +257,10 @@ class ReplayState:
             ),
             autocast_cache=torch.is_autocast_cache_enabled(),
         )
+
+    def captured(self, path: _paths.ExecutionPath) -> object | None:
+        """What was captured of `path`'s generators; None if they are not replayed."""
+        return next((c for p, c in self.rng if p is path), None)
 
     def refuse_unreplayable(self, api: str) -> None:
         """Raise if the forward since the capture drew random numbers that no replay can draw
@@ -417,6 +432,8 @@ class _SavedTensors:
 
         with ExitStack() as stack:
             stack.enter_context(_replaying(record, barriered))
+            if record.seeded is not None:  # below a save policy's mode: it sees F.dropout first
+                stack.enter_context(record.path.drawing_from(record.seeded, barriered.seeds))
             # A block that differentiates its own graph reads what it saved here too.
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, store.__getitem__))
             if self.selection is not None:
@@ -477,6 +494,7 @@ class _Barriered:
     grads: list[torch.Tensor]
     params: list[torch.Tensor]
     buffers: list[torch.Tensor]
+    seeds: list[torch.Tensor]  # Rule 9
 
 
 def _barrier(
@@ -507,10 +525,12 @@ def _barrier(
             grads=list(grads),
             params=list(params),
             buffers=[b.clone() for b in buffers],  # updated in place once, by the forward
+            seeds=[],
         )
-    values = [*inputs, *kept, *grads, *params, *buffers]
+    seeds = path.seed_tensors(record.seeded) if record.seeded is not None else []
+    values = [*inputs, *kept, *grads, *params, *buffers, *seeds]
     in_place = [path.rewritable(t) for t in inputs] + [True] * (len(kept) + len(grads))
-    in_place += [False] * (len(params) + len(buffers))
+    in_place += [False] * (len(params) + len(buffers)) + [True] * len(seeds)
     out = iter(path.barrier(values, in_place))
     barriered = _Barriered(
         inputs=[next(out).requires_grad_(r) for r in record.inputs_require_grad],
@@ -520,6 +540,7 @@ def _barrier(
         # New values (copies): the recomputation's in-place updates of buffers (BatchNorm
         # statistics) stay its own, and the forward's happen once.
         buffers=[next(out) for _ in buffers],
+        seeds=[next(out) for _ in seeds],
     )
     return barriered
 

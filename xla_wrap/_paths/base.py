@@ -69,6 +69,22 @@ class ExecutionPath(Protocol):
         """Run the recomputation from `captured`; restore the generators afterwards."""
         ...
 
+    def drew(self, captured: object) -> bool:
+        """Whether the generators moved since `captured`: the block drew random numbers."""
+        ...
+
+    def seed_tensors(self, captured: object) -> list[torch.Tensor]:
+        """Tensors holding the seeds of `captured`, for the barrier, so that the recomputed
+        draws wait for it; none where draws need no such tie."""
+        ...
+
+    def drawing_from(
+        self, captured: object, seeds: Sequence[torch.Tensor]
+    ) -> AbstractContextManager[None]:
+        """Within the recomputation: its draws read their seeds from `seeds`, the barriered
+        `seed_tensors(captured)`."""
+        ...
+
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device | None]:
         """`tensor` kept in host memory, and the device to bring it back to (None: kept
         where it is, nothing to bring back)."""

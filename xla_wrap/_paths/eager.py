@@ -4,7 +4,7 @@ merge a recomputation with the forward, and saved values go to pinned host memor
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +65,20 @@ class EagerPath:
             for index, state in captured.cuda:
                 stack.enter_context(_replay_cuda(index, state))
             yield
+
+    def drew(self, captured: object) -> bool:
+        assert isinstance(captured, EagerRng)
+        return not torch.equal(torch.get_rng_state(), captured.cpu) or any(
+            not torch.equal(torch.cuda.get_rng_state(i), state) for i, state in captured.cuda
+        )
+
+    def seed_tensors(self, captured: object) -> list[torch.Tensor]:
+        return []  # each recomputation runs when its gradients arrive: nothing to tie
+
+    def drawing_from(
+        self, captured: object, seeds: Sequence[torch.Tensor]
+    ) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device | None]:
         if tensor.device.type == "cpu":

@@ -4,12 +4,12 @@ compiler would merge a recomputation with the forward unless a barrier stands be
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 
 from ..._support.errors import CheckpointError
-from . import lowering, rng
+from . import draws, lowering, rng
 from .runtime import (
     in_gradient_accumulation_loop,
     is_device_data,
@@ -86,6 +86,20 @@ class XlaPath:
             for device, seed in captured:
                 stack.enter_context(rng.replay(device, seed))
             yield
+
+    def drew(self, captured: object) -> bool:
+        assert isinstance(captured, tuple)
+        return any(rng.rng_state(device) != seed for device, seed in captured)
+
+    def seed_tensors(self, captured: object) -> list[torch.Tensor]:
+        assert isinstance(captured, tuple)
+        return draws.seed_tensors(captured)
+
+    def drawing_from(
+        self, captured: object, seeds: Sequence[torch.Tensor]
+    ) -> AbstractContextManager[None]:
+        assert isinstance(captured, tuple)
+        return draws.drawing_from(captured, seeds) if seeds else nullcontext()
 
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device | None]:
         if lowering.annotating_offload():
