@@ -45,12 +45,17 @@ __version__ = "0.1.0"
 # The errors name the public module: tracebacks, `except` advice and pickles then say
 # `xla_wrap.CheckpointError`, wherever the class lives inside the package. (Not the annotated
 # classes: typing.get_type_hints resolves their annotations in the module they name.)
+# Pickles and messages name these by their public path, wherever they live.
+# (CheckpointOptions's annotations are evaluated, so typing resolves them without its module.)
 for _public in (
     BarriersStrippedWarning,
     BudgetUnreachableError,
     CheckpointError,
+    CheckpointOptions,
     CheckpointTypeError,
     CheckpointValueError,
+    CheckpointWrapper,
+    ScannedLayers,
     XlaWrapError,
 ):
     _public.__module__ = __name__

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ._support.errors import CheckpointTypeError, CheckpointValueError, describe
 
 __all__ = [
@@ -229,23 +231,23 @@ def offload_dot_with_no_batch_dims(
 
     Args:
         offload_src: Where the values are: `"device"`, the only value accepted.
-        offload_dst: Where they go: `"pinned_host"` (the default) or `"unpinned_host"`.
-            Both mean host memory; which kind is chosen per backend (pinned memory on CUDA,
-            docs/offload.md), not by this argument.
+        offload_dst: Where they go: `"pinned_host"`, the only value accepted (JAX's other
+            kind, `"unpinned_host"`, has no counterpart here: xla_wrap keeps offloaded values
+            in pinned memory on CUDA and in host memory on XLA, docs/offload.md).
 
     Returns:
         The policy, which answers `Decision.OFFLOAD` or `Decision.RECOMPUTE`.
 
     Raises:
         CheckpointValueError: If `offload_src` is not `"device"` or `offload_dst` is not
-            `"pinned_host"` or `"unpinned_host"`.
+            `"pinned_host"`.
     """
     api = "xla_wrap.checkpoint_policies.offload_dot_with_no_batch_dims"
-    if offload_src != "device" or offload_dst not in ("pinned_host", "unpinned_host"):
+    if offload_src != "device" or offload_dst != "pinned_host":
         raise CheckpointValueError(
-            f"{api}: expected offload_src='device' and offload_dst 'pinned_host' or "
-            f"'unpinned_host', got {offload_src!r} and {offload_dst!r}. Values move from the "
-            "device to host memory; pass the defaults."
+            f"{api}: expected offload_src='device' and offload_dst='pinned_host', got "
+            f"{offload_src!r} and {offload_dst!r}. Values move from the device to host memory "
+            "(pinned where the backend has it); pass the defaults."
         )
     return _OffloadDotsWithoutBatch()
 
@@ -451,7 +453,8 @@ def resolve(api: str, policy: object) -> SavePolicy:
                 "functions: `policy=checkpoint_policies.save_only_these_names('attn')`."
             )
         return found
-    if not callable(policy):
+    # A class, a module or a tensor is callable or looks it, and is never a policy.
+    if not callable(policy) or isinstance(policy, (type, torch.nn.Module, torch.Tensor)):
         raise CheckpointTypeError(
             f"{api}: expected a policy (a function of xla_wrap.checkpoint_policies, its name, or "
             f"a callable taking an Op), got {describe(policy)}."

@@ -253,7 +253,8 @@ def by_param_count(min_params: int, max_params: int | None = None) -> WrapPolicy
         The policy.
 
     Raises:
-        CheckpointValueError: If a bound is not a non-negative int.
+        CheckpointTypeError: If a bound is not an int.
+        CheckpointValueError: If a bound is negative.
 
     Examples:
         >>> from torch import nn
@@ -267,7 +268,12 @@ def by_param_count(min_params: int, max_params: int | None = None) -> WrapPolicy
     if max_params is not None:
         bounds["max_params"] = max_params
     for label, value in bounds.items():
-        if not is_int(value) or value < 0:
+        if not is_int(value):
+            raise CheckpointTypeError(
+                "xla_wrap.wrap_policies.by_param_count: expected an int as "
+                f"`{label}`, got {describe(value)}."
+            )
+        if value < 0:
             raise CheckpointValueError(
                 "xla_wrap.wrap_policies.by_param_count: expected a non-negative int as "
                 f"`{label}`, got {describe(value)}."
@@ -353,8 +359,8 @@ def every_nth(policy: WrapPolicy, n: int, *, offset: int = 0) -> WrapPolicy:
         The policy.
 
     Raises:
-        CheckpointTypeError: If `policy` is not a wrap policy.
-        CheckpointValueError: If `n` is not a positive int or `offset` is not in `0..n-1`.
+        CheckpointTypeError: If `policy` is not a wrap policy, or `n` or `offset` not an int.
+        CheckpointValueError: If `n` is not positive or `offset` is not in `0..n-1`.
 
     Examples:
         >>> from torch import nn
@@ -364,11 +370,16 @@ def every_nth(policy: WrapPolicy, n: int, *, offset: int = 0) -> WrapPolicy:
         ['0', '2', '4']
     """
     _checked(policy, "every_nth")
-    if not is_int(n) or n < 1:
+    if not is_int(n) or not is_int(offset):
+        raise CheckpointTypeError(
+            "xla_wrap.wrap_policies.every_nth: expected ints as `n` and `offset`, got "
+            f"{describe(n)} and {describe(offset)}."
+        )
+    if n < 1:
         raise CheckpointValueError(
             f"xla_wrap.wrap_policies.every_nth: expected a positive int as `n`, got {describe(n)}."
         )
-    if not is_int(offset) or not 0 <= offset < n:
+    if not 0 <= offset < n:
         raise CheckpointValueError(
             f"xla_wrap.wrap_policies.every_nth: expected `offset` in 0..{n - 1}, got "
             f"{describe(offset)}."

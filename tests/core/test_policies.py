@@ -147,8 +147,9 @@ def test_offload_dot_with_no_batch_dims_offloads_what_the_saveable_one_keeps() -
     scores = cp.Op("matmul", None, ((2, 5, 5),), 200, ((2, 5, 4), (2, 4, 5)))
     assert cp.decide(policy, linear) is cp.Decision.OFFLOAD
     assert cp.decide(policy, scores) is cp.Decision.RECOMPUTE
-    with pytest.raises(xla_wrap.CheckpointValueError, match="offload_dst 'pinned_host'"):
-        cp.offload_dot_with_no_batch_dims("device", "disk")
+    for dst in ("disk", "unpinned_host"):  # JAX's other kind: no counterpart, not ignored
+        with pytest.raises(xla_wrap.CheckpointValueError, match="offload_dst='pinned_host'"):
+            cp.offload_dot_with_no_batch_dims("device", dst)
 
 
 def test_checkpoint_name_outside_a_checkpoint_returns_the_tensor() -> None:

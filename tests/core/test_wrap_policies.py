@@ -193,7 +193,10 @@ def test_policy_reprs_say_what_they_select() -> None:
         (lambda: wp.by_type("Linear"), TypeError, "expected module classes"),
         (lambda: wp.by_type(), ValueError, "at least one module class"),
         (lambda: wp.by_param_count(-1), ValueError, "non-negative int"),
-        (lambda: wp.by_param_count(None), ValueError, "non-negative int as `min_params`"),
+        (lambda: wp.by_param_count(None), TypeError, "an int as `min_params`"),
+        (lambda: wp.by_param_count(2.0), TypeError, "an int as `min_params`"),
+        (lambda: wp.every_nth(wp.by_name("*"), True), TypeError, "ints as `n` and `offset`"),
+        (lambda: wp.every_nth(wp.by_name("*"), 2, offset=1.0), TypeError, "ints as"),
         (lambda: wp.by_name(), TypeError, "patterns as strings"),
         (lambda: wp.by_predicate(3), TypeError, "expected a callable"),
         (

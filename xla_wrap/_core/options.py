@@ -1,7 +1,5 @@
 """How a checkpoint runs: the options every API takes, checked in one place."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -60,6 +58,13 @@ class CheckpointOptions:
     policy: cp.SavePolicy | None = None
     offload_to_cpu: bool = False
 
+    def __post_init__(self) -> None:
+        api = "xla_wrap.CheckpointOptions"
+        check_flag(api, "preserve_rng_state", self.preserve_rng_state)
+        check_flag(api, "offload_to_cpu", self.offload_to_cpu)
+        if self.policy is not None:
+            object.__setattr__(self, "policy", cp.resolve(api, self.policy))
+
     def as_keywords(self) -> dict[str, Any]:
         """The options as the keyword arguments of [`xla_wrap.checkpoint()`][xla_wrap.checkpoint].
 
@@ -102,11 +107,20 @@ def make_options(
             f"{api}: expected True, False or None as `use_reentrant`, got "
             f"{describe(use_reentrant)}."
         )
+    check_flag(api, "preserve_rng_state", preserve_rng_state)
+    check_flag(api, "offload_to_cpu", offload_to_cpu)
     resolved = None if policy is None else cp.resolve(api, policy)
     if resolved is cp.nothing_saveable:
         resolved = None
     return CheckpointOptions(
-        preserve_rng_state=bool(preserve_rng_state),
-        policy=resolved,
-        offload_to_cpu=bool(offload_to_cpu),
+        preserve_rng_state=preserve_rng_state, policy=resolved, offload_to_cpu=offload_to_cpu
     )
+
+
+def check_flag(api: str, name: str, value: object) -> None:
+    """Refuse a flag that is not a bool: a tensor, a string or a number would be read as
+    true or false without saying so."""
+    if not isinstance(value, bool):
+        raise CheckpointTypeError(
+            f"{api}: expected True or False as `{name}`, got {describe(value)}."
+        )

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .._support.checks import check_module
-from .._support.errors import CheckpointTypeError, CheckpointValueError
+from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
 from .._support.state import process
 from ..checkpoint_policies import SavePolicy
 from . import hooks as _hooks
@@ -138,14 +138,43 @@ class CheckpointWrapper(nn.Module):
         return f"CheckpointWrapper({super().__repr__()})"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # The generated class cannot be pickled by name; rebuild it from the wrapped class. A
-        # class derived from it again (FSDP2 swaps classes too) is rebuilt as itself, which
-        # pickles where that class can be found by name. The state is what the class would
-        # pickle (an LSTM drops its weak references, a compiled module its compiled call).
+        # The generated class cannot be pickled by name; rebuild it from the wrapped class,
+        # through this public class. A class derived from it again (FSDP2 swaps classes too) is
+        # rebuilt as itself, which pickles where that class can be found by name. The state is
+        # what the class would pickle (an LSTM drops its weak references, a compiled module its
+        # compiled call).
         cls = type(self)
-        if "_checkpoint_base" not in cls.__dict__:
-            return (_new_of_class, (cls,), self.__getstate__())
-        return (_new_checkpointed, (cls._checkpoint_base,), self.__getstate__())
+        rebuilt = cls if "_checkpoint_base" not in cls.__dict__ else cls._checkpoint_base
+        return (CheckpointWrapper.empty_checkpointed, (rebuilt,), self.__getstate__())
+
+    @classmethod
+    def empty_checkpointed(cls, module_class: type[nn.Module]) -> CheckpointWrapper:
+        """An empty checkpointed module, for unpickling and deep copies to fill.
+
+        Pickles name this method (a public path), so it keeps its name and signature.
+
+        Args:
+            module_class: The class of the module before checkpointing (its generated
+                checkpointed class is used), or a class derived from a generated one.
+
+        Returns:
+            A checkpointed module without state: no parameters, buffers or submodules yet.
+
+        Raises:
+            CheckpointTypeError: `module_class` is not a subclass of `nn.Module`.
+        """
+        if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+            raise CheckpointTypeError(
+                "xla_wrap.CheckpointWrapper.empty_checkpointed: expected a module class, got "
+                f"{describe(module_class)}."
+            )
+        made = (
+            module_class
+            if issubclass(module_class, CheckpointWrapper)
+            else checkpointed_class(module_class)
+        )
+        module: CheckpointWrapper = nn.Module.__new__(made)
+        return module
 
 
 def unwrapped_class(module: nn.Module) -> type[nn.Module]:
@@ -173,17 +202,13 @@ def checkpointed_class(base: type[nn.Module]) -> type[CheckpointWrapper]:
     return cls
 
 
+# Pickles made before 0.1.0 name these two.
 def _new_checkpointed(base: type[nn.Module]) -> CheckpointWrapper:
-    """An empty checkpointed module of class `base`, for unpickling and deep copies."""
-    cls = checkpointed_class(base)
-    module: CheckpointWrapper = nn.Module.__new__(cls)
-    return module
+    return CheckpointWrapper.empty_checkpointed(base)
 
 
 def _new_of_class(cls: type[CheckpointWrapper]) -> CheckpointWrapper:
-    """An empty module of a class derived from a generated one, for unpickling and copies."""
-    module: CheckpointWrapper = nn.Module.__new__(cls)
-    return module
+    return CheckpointWrapper.empty_checkpointed(cls)
 
 
 def checkpoint_in_place(

@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from .._support.checks import check_text
+
 # `[ROOT] %name = <shape> opcode(`; the shape is `f32[16,<=8]{1,0:T(8,128)}` or a tuple `(...)`.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+) = ")
 _ARRAY_SHAPE = re.compile(r"\w+\[([\d,<=]*)\](?:\{[^}]*\})?")
@@ -37,6 +39,9 @@ def count_instructions(hlo: str, opcode: str, *, reading: str | None = None) -> 
     Returns:
         The number of such instructions.
 
+    Raises:
+        CheckpointTypeError: If `hlo`, `opcode` or `reading` is not a string.
+
     Examples:
         >>> from xla_wrap import introspect
         >>> hlo = '''
@@ -53,6 +58,11 @@ def count_instructions(hlo: str, opcode: str, *, reading: str | None = None) -> 
         >>> introspect.count_instructions(hlo, "dot", reading="opt-barrier")
         1
     """
+    api = "xla_wrap.introspect.count_instructions"
+    check_text(api, "hlo", hlo)
+    check_text(api, "opcode", opcode)
+    if reading is not None:
+        check_text(api, "reading", reading)
     instructions = _instructions(hlo)
     if reading is None:
         return sum(1 for inst in instructions if inst.opcode == opcode)

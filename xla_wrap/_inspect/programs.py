@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from .._paths import xla as _xla
-from .._support.errors import CheckpointError, CheckpointValueError
+from .._support.checks import check_text
+from .._support.errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from .._support.flags import append_xla_flags, flag_values
 from . import hlo as _hlo
 
@@ -42,6 +43,9 @@ def hlo_flops(hlo: str) -> int:
     Returns:
         The FLOP count; 0 for text without dots or convolutions.
 
+    Raises:
+        CheckpointTypeError: If `hlo` is not a string.
+
     Examples:
         >>> from xla_wrap import introspect
         >>> hlo = '''
@@ -52,7 +56,7 @@ def hlo_flops(hlo: str) -> int:
         >>> introspect.hlo_flops(hlo)  # 8 x 4 outputs, 16 multiply-adds each
         1024
     """
-    return _hlo.flops(hlo)
+    return _hlo.flops(check_text("xla_wrap.introspect.hlo_flops", "hlo", hlo))
 
 
 @dataclass(frozen=True)
@@ -124,9 +128,18 @@ def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
         [`hlo_flops()`][xla_wrap.introspect.hlo_flops].
 
     Raises:
-        CheckpointValueError: If torch_xla is not imported or a tensor is not on an XLA
-            device.
+        CheckpointTypeError: If `tensors` is not a list of tensors.
+        CheckpointValueError: If it is empty, torch_xla is not imported or a tensor is not on
+            an XLA device.
     """
+    api = "xla_wrap.introspect.pending_hlo"
+    if not isinstance(tensors, Sequence) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise CheckpointTypeError(f"{api}: expected a list of tensors, got {describe(tensors)}.")
+    if not tensors:
+        raise CheckpointValueError(
+            f"{api}: expected at least one tensor, got an empty list. Pass the tensors whose "
+            "pending computation to show (a step's loss, or its gradients)."
+        )
     if _xla.loaded("torch_xla") is None or not all(_xla.is_xla_tensor(t) for t in tensors):
         raise CheckpointValueError(
             "xla_wrap.introspect.pending_hlo: expected tensors on an XLA device, got "

@@ -110,6 +110,9 @@ def format_residuals(residuals: list[Residual]) -> str:
         One line per residual (kind, shape, dtype, bytes, the op that made it), then a line
         with the total and the total per kind, in MiB.
 
+    Raises:
+        CheckpointTypeError: If `residuals` is not a list of residuals.
+
     Examples:
         >>> import torch
         >>> from xla_wrap import introspect
@@ -122,6 +125,13 @@ def format_residuals(residuals: list[Residual]) -> str:
         parameter  8x2                  torch.float32              64 B
         total 0.00 MiB (activation 0.00 MiB, input 0.00 MiB, parameter 0.00 MiB)
     """
+    if not isinstance(residuals, (list, tuple)) or not all(
+        isinstance(r, Residual) for r in residuals
+    ):
+        raise CheckpointTypeError(
+            "xla_wrap.introspect.format_residuals: expected the list "
+            f"`introspect.saved_residuals()` returns, got {describe(residuals)}."
+        )
     lines = [str(r) for r in residuals]
     totals: dict[str, int] = {}
     for r in residuals:

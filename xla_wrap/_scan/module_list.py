@@ -113,6 +113,14 @@ class ScannedLayers(nn.ModuleList):
         """Run all `layers` on what layer 0 was called with."""
         return run_scan("xla_wrap.ScannedLayers", layers, args, kwargs, **self.scan_options)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return _stacked.state_without_hooks(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.parameters_stacked:
+            _stacked.register_hooks(self)
+
     def __repr__(self) -> str:
         if not self.parameters_stacked:
             return nn.Module.__repr__(self)  # ModuleList's own iterates: it would see stand-ins
@@ -341,6 +349,9 @@ def unscan(layers: ScannedLayers) -> nn.ModuleList:
     Returns:
         `layers` itself, now of class `nn.ModuleList`.
 
+    Raises:
+        CheckpointTypeError: If `layers` is not an `nn.ModuleList`.
+
     Examples:
         >>> import torch, xla_wrap
         >>> layers = xla_wrap.ScannedLayers(
@@ -349,6 +360,11 @@ def unscan(layers: ScannedLayers) -> nn.ModuleList:
         >>> type(xla_wrap.unscan(layers)).__name__, tuple(layers[2].weight.shape)
         ('ModuleList', (8, 8))
     """
+    if not isinstance(layers, nn.ModuleList):
+        raise CheckpointTypeError(
+            f"xla_wrap.unscan: expected a ScannedLayers (or an nn.ModuleList) as `layers`, got "
+            f"{describe(layers)}. Pass the scanned list itself, e.g. `model.layers`."
+        )
     if _stacked.is_stacked(layers):
         _stacked.unstack(layers)
     plain: nn.ModuleList = layers

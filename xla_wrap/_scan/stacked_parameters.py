@@ -88,9 +88,35 @@ def stack(api: str, layers: nn.ModuleList, param_names: Sequence[str]) -> None:
         items[0].get_submodule(path).register_parameter(leaf, stacked)
     for i, layer in enumerate(items):
         layer.__dict__[_SLOT] = i
-    layers.register_state_dict_post_hook(_per_layer_state)
-    layers.register_load_state_dict_pre_hook(_stack_loaded_state)
     layers.__dict__[_STACKED] = len(items)
+    register_hooks(layers)
+
+
+def register_hooks(layers: nn.Module) -> None:
+    """Give a list with stacked parameters the hooks that show them per layer in `state_dict`
+    and stack a per-layer state when loaded. A pickle leaves them out (they are private
+    functions, which a pickle would name), and unpickling calls this again (once: a pickle made
+    before 0.1.0 holds them)."""
+    if not any(h is _per_layer_state for h in layers._state_dict_hooks.values()):
+        layers.register_state_dict_post_hook(_per_layer_state)
+    pre_hooks = layers._load_state_dict_pre_hooks.values()
+    if not any(getattr(h, "hook", h) is _stack_loaded_state for h in pre_hooks):
+        layers.register_load_state_dict_pre_hook(_stack_loaded_state)
+
+
+def state_without_hooks(layers: nn.Module) -> dict[str, Any]:
+    """`layers.__dict__` for a pickle: the hooks of `register_hooks` left out."""
+    state = dict(layers.__dict__)
+    if _STACKED in state:
+        state["_state_dict_hooks"] = type(layers._state_dict_hooks)(
+            (k, h) for k, h in layers._state_dict_hooks.items() if h is not _per_layer_state
+        )
+        state["_load_state_dict_pre_hooks"] = type(layers._load_state_dict_pre_hooks)(
+            (k, h)
+            for k, h in layers._load_state_dict_pre_hooks.items()
+            if getattr(h, "hook", h) is not _stack_loaded_state
+        )
+    return state
 
 
 def check_unchanged(api: str, layers: nn.Module) -> None:

@@ -22,6 +22,13 @@ def is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def check_text(api: str, name: str, value: object) -> str:
+    """`value` if it is a string; otherwise a CheckpointTypeError naming `api`'s argument."""
+    if not isinstance(value, str):
+        raise CheckpointTypeError(f"{api}: expected a string as `{name}`, got {describe(value)}.")
+    return value
+
+
 def check_module(api: str, value: object, expected: str, advice: str = "") -> nn.Module:
     """`value` if it is an `nn.Module`; otherwise a CheckpointTypeError that says what
     `api` `expected` (e.g. "an nn.Module as `model`"), what came, and the `advice`."""

@@ -96,13 +96,13 @@ def gradient_checkpointing_enable(
 
     Raises:
         ImportError: If transformers is not installed.
-        CheckpointTypeError: If `model` is not a `PreTrainedModel`, or an option is unknown
-            or has the wrong type.
+        CheckpointTypeError: If `model` is not a `PreTrainedModel`, `plan` is not a
+            `CheckpointPlan`, or an option is unknown or has the wrong type.
         CheckpointValueError: If the model does not support gradient checkpointing (or
             overrides transformers' pre-4.35 `_set_gradient_checkpointing`),
             `every_n_layers` is not a positive integer, `stack_parameters` is given without
             `scan`, `scan` is given with `every_n_layers` or options other than `policy` and
-            `offload_to_cpu`, `plan` is not a `CheckpointPlan` or comes with other options,
+            `offload_to_cpu`, `plan` comes with other options,
             or the save `policy` is unknown.
     """
     api = "xla_wrap.integrations.transformers.gradient_checkpointing_enable"
@@ -120,12 +120,12 @@ def gradient_checkpointing_enable(
         )
     pretrained: Any = model  # a PreTrainedModel, checked above
     if plan is not None:
-        if (
-            not isinstance(plan, CheckpointPlan)
-            or every_n_layers != 1
-            or scan
-            or checkpoint_options
-        ):
+        if not isinstance(plan, CheckpointPlan):
+            raise CheckpointTypeError(
+                f"{api}: expected a CheckpointPlan (what xla_wrap.plan_checkpointing returns) "
+                f"as `plan`, got {describe(plan)}."
+            )
+        if every_n_layers != 1 or scan or checkpoint_options:
             raise CheckpointValueError(
                 f"{api}: expected a CheckpointPlan as `plan` and nothing else (the plan chooses "
                 f"every layer's checkpoint), got plan={describe(plan)}, every_n_layers="
