@@ -94,3 +94,36 @@ def test_the_wheel_installs_and_works_where_only_torch_is(dist: Path, tmp_path: 
     done = _run([python, "-c", _SMOKE], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
     assert done.stdout.split() == [xla_wrap.__version__, xla_wrap.__version__, "BSD-3-Clause"]
     assert "xla_wrap" not in done.stderr, done.stderr  # torch may warn (no NumPy here); we may not
+
+
+def test_the_long_description_renders_as_the_index_renders_it_with_every_link_absolute(
+    dist: Path,
+) -> None:
+    """The package index shows the README from the wheel's metadata, rendered as GitHub
+    Markdown, where a relative link resolves to nothing. Every link must be absolute; those into
+    the documentation site start with the project's Documentation URL (pyproject.toml, the one
+    place it is set) and name a page that exists, and those into the repository a file in it."""
+    import email
+    import re
+
+    markdown = pytest.importorskip("readme_renderer.markdown")
+    wheel = next(dist.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = email.message_from_string(archive.read(name).decode())
+    assert metadata["Description-Content-Type"].startswith("text/markdown")
+    urls = dict(u.split(", ", 1) for u in metadata.get_all("Project-URL"))
+    html = markdown.render(metadata.get_payload(), variant="GFM")
+    assert html is not None, "no Markdown renderer: pip install -e '.[release]'"
+    # In-page anchors (the renderer's own, on every heading) resolve on any page.
+    links = [link for link in re.findall(r'(?:href|src)="([^"]+)"', html) if link[0] != "#"]
+    assert len(links) > 10  # the probe sees the README's links
+    site, source = urls["Documentation"], urls["Source"]
+    for link in links:
+        assert re.match(r"https?://", link), f"a relative link on the index page: {link}"
+        page = link.split("#")[0]
+        if page.startswith(site):
+            doc = page[len(site) :].strip("/") or "index"
+            assert (ROOT / "docs" / f"{doc}.md").exists(), f"no docs page for {link}"
+        elif page.startswith(f"{source}/blob/main/"):
+            assert (ROOT / page[len(f"{source}/blob/main/") :]).exists(), link
