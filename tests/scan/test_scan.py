@@ -5,6 +5,7 @@ recomputes as XLA compiles it, the way in for models that loop over a ModuleList
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -728,3 +729,52 @@ def test_boolean_masks_reach_the_layers_as_booleans(xla_device: torch.device) ->
     got = xla_wrap.scan_layers(stack, x.to(xla_device).requires_grad_(), mask=mask.to(xla_device))
     got.sum().backward()
     torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _FourierMix(nn.Module):
+    """FNet's token mixing: an FFT, which torch_xla runs on its CPU fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(torch.fft.fft(x, dim=-1).real)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize(
+    ("make", "op"),
+    [
+        (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), "_weight_norm_interface"),
+        (_FourierMix, "_fft_r2c"),
+    ],
+    ids=["weight_norm", "fft"],
+)
+def test_a_layer_that_runs_an_op_on_the_cpu_fallback_is_refused_and_runs_once_unscanned(
+    xla_device: torch.device, make: Callable[[], nn.Module], op: str
+) -> None:
+    """The scanned body cannot run torch_xla's CPU fallback (the process died): the stack is
+    refused before it runs, naming the op and the layer and pointing at `unscan`; unscanned,
+    the same layers train and give the plain loop's gradients."""
+    torch.manual_seed(0)
+    made = [make() for _ in range(2)]
+    plain = copy.deepcopy(nn.ModuleList(made)).to(xla_device)
+    layers = xla_wrap.ScannedLayers(made).to(xla_device)
+    x = torch.randn(2, 8, device=xla_device)
+    with pytest.raises(
+        xla_wrap.CheckpointError, match=rf"\({type(made[0]).__name__}\).*{op}.*unscan"
+    ):
+        h = x
+        for layer in layers:
+            h = layer(h)
+    xla_wrap.unscan(layers)
+    for model in (layers, plain):
+        h = x
+        for layer in model:
+            h = layer(h)
+        h.square().sum().backward()
+    torch_xla = pytest.importorskip("torch_xla")
+    torch_xla.sync()
+    for (name, a), b in zip(layers.named_parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and torch.equal(a.grad.cpu(), b.grad.cpu()), name

@@ -487,10 +487,26 @@ class _Scan:
     @contextmanager
     def body_state(self) -> Iterator[None]:
         """What both bodies trace under: the call's seed (torch_xla draws the per-iteration
-        seeds from it after tracing) and the forward's autocast settings."""
+        seeds from it after tracing), the forward's autocast settings, and no op that runs on
+        torch_xla's CPU fallback (it would kill the process)."""
         _xla.set_rng_state(self.device, self.seed)
-        with self.replay.replaying(), torch.enable_grad():
+        with (
+            self.replay.replaying(),
+            torch.enable_grad(),
+            _xla.refusing_cpu_fallbacks(self._cpu_fallback_refusal),
+        ):
             yield
+
+    def _cpu_fallback_refusal(self, op: str) -> CheckpointError:
+        layer = type(self.stack.template).__name__
+        return CheckpointError(
+            f"{self.stack.api}: a layer ({layer}) of the scanned stack calls {op}, which "
+            "torch_xla runs on the CPU (it has no XLA lowering), and a scanned body cannot "
+            "leave the device: the process would crash. Run these layers as a loop "
+            "(`xla_wrap.unscan(layers)`, or `checkpoint_wrapper` on each layer), or replace "
+            "the operation (a weight_norm parametrization folds into the weight with "
+            "`torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')`)."
+        )
 
 
 def _check_carry(spec: Flat, carry: Sequence[torch.Tensor], out: Flat) -> None:

@@ -38,6 +38,7 @@ from .runtime import is_xla_tensor as is_xla_tensor
 from .runtime import layer_slice_ops as layer_slice_ops
 from .runtime import loaded as loaded
 from .runtime import pending_hlo_text as pending_hlo_text
+from .runtime import refusing_cpu_fallbacks as refusing_cpu_fallbacks
 from .runtime import runtime_started as runtime_started
 from .runtime import spmd_active as spmd_active
 from .runtime import sync as sync

@@ -199,3 +199,32 @@ def xla_fsdp_class() -> type:
         ) from None
     fsdp: type = XlaFullyShardedDataParallel
     return fsdp
+
+
+# An aten op with none of these kernels runs on torch_xla's CPU fallback: it copies its inputs
+# to the host, which a traced loop body's placeholders cannot be (the process dies, issue 38).
+_LOWERED_KEYS = ("XLA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+
+
+@functools.cache
+def _runs_on_cpu_fallback(op: str) -> bool:
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return op.startswith("aten::") and not any(has_kernel(op, key) for key in _LOWERED_KEYS)
+
+
+@contextmanager
+def refusing_cpu_fallbacks(refusal: Callable[[str], Exception]) -> Iterator[None]:
+    """Raise `refusal(op name)` before any op that torch_xla would run on its CPU fallback
+    (one without an XLA kernel or a decomposition: `_weight_norm_interface`, `_fft_r2c`), for
+    code traced into a loop body. Ops whose XLA kernel falls back for some inputs are not
+    seen."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Refusing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if _runs_on_cpu_fallback(func.name()):
+                raise refusal(func.name())
+            return func(*args, **(kwargs or {}))
+
+    with _Refusing():
+        yield
