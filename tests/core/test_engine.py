@@ -141,7 +141,8 @@ def test_recomputed_tensors_are_released_after_backward() -> None:
     block = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
     # Two outputs, one unused by the loss: what only its branch would read is released too.
     out = checkpoint(lambda t: (block(t), t.exp() * 2), x)
-    saved = out[0].grad_fn.saved  # the gate's saved-tensor bookkeeping (engine Rule 4)
+    gate = out[0].grad_fn.next_functions[0][0]  # behind the output's own node (Rule 2)
+    saved = gate.saved  # the gate's saved-tensor bookkeeping (engine Rule 4)
     out[0].sum().backward()
     assert saved.recomputed == {}
 

@@ -283,6 +283,42 @@ def test_a_hook_on_a_node_of_the_blocks_graph_fires_once() -> None:
     assert fired == [1]
 
 
+def test_a_hook_on_one_output_that_runs_backward_from_another_ends_with_the_plain_gradient() -> (
+    None
+):
+    # test_nested_checkpoint_reentrant_backwards: each output has a gradient node of its own,
+    # so the hook's backward from `x` does not pass the node of `out` (and its hook) again.
+    def block(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = a.sin().cos()
+        return x, x.sin()
+
+    def run(checkpoint: Callable[..., Any]) -> tuple[torch.Tensor, list[str]]:
+        a = torch.tensor(1.0, requires_grad=True)
+        x, out = checkpoint(block, a)
+        fired = []
+
+        def hook(*_: Any) -> None:
+            fired.append(out.grad_fn.name())
+            x.backward(retain_graph=True)
+
+        out.grad_fn.register_hook(hook)
+        out.backward(retain_graph=True)
+        assert a.grad is not None
+        return a.grad, fired
+
+    (grad, fired), (plain, _) = run(xla_wrap.checkpoint), run(lambda f, a: f(a))
+    assert torch.equal(grad, plain)  # d(out)/da, then d(x)/da from the hook's backward
+    assert fired == ["CheckpointOutputBackward"]
+    # One node per output, behind one gate: a backward through both recomputes once.
+    calls = []
+    a = torch.tensor(1.0, requires_grad=True)
+    x, out = xla_wrap.checkpoint(lambda a: (calls.append(1), *block(a))[1:], a)
+    assert x.grad_fn is not out.grad_fn
+    assert x.grad_fn.next_functions[0][0] is out.grad_fn.next_functions[0][0]
+    (x + out).backward()
+    assert len(calls) == 2
+
+
 def test_non_tensor_outputs_and_backward_with_retain_graph() -> None:
     # test_checkpoint_non_tensor_inputs_outputs: an input returned as an output, non-tensor
     # outputs, three backwards with retain_graph, then the graph is gone.

@@ -19,7 +19,11 @@ Rule 1 (one barrier over everything the recomputation reads). The saved inputs, 
   (as PyTorch's checkpoint does), and only the buffers are copies (Rule 7).
 Rule 2 (the gate goes first). The gate holds every output that requires grad, so its backward
   runs before any node of the block's graph and sees every output gradient at once. It takes
-  one context object (`_GateInput`) and returns one gradient per output.
+  one context object (`_GateInput`) and returns one gradient per output. Each output then gets
+  a node of its own (`CheckpointOutput`, passing its gradient on): a hook on one output's
+  `grad_fn` that runs backward from another output reaches the gate without passing itself
+  again (PyTorch's `test_nested_checkpoint_reentrant_backwards`), and that backward recomputes
+  in its own graph task (Rule 4).
 Rule 3 (nesting). The gate saves the block's inputs and kept values with `save_for_backward`,
   so an enclosing checkpoint swaps them for placeholders of its own. A save policy acts only
   while its own checkpoint is the innermost one running; xla_wrap's own operations are
@@ -109,7 +113,7 @@ def run(call: CheckpointCall, inputs: Flat) -> Any:
         through = _OutputGate.apply(gate, *(outputs.tensors[i] for i in gated))
     tensors = list(outputs.tensors)
     for i, tensor in zip(gated, through, strict=True):
-        tensors[i] = tensor
+        tensors[i] = CheckpointOutput.apply(tensor, record, i)
     return outputs.rebuild(tensors)
 
 
@@ -649,11 +653,26 @@ class _DifferentiableCopy(torch.autograd.Function):
         return grad, None
 
 
+class CheckpointOutput(torch.autograd.Function):
+    """`apply(output, record, position)` -> an alias of one output behind the gate, with a
+    gradient node of its own (Rule 2): `grad_fn.name()` is "CheckpointOutputBackward", and its
+    `next_functions` lead to the gate."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, record: ForwardRecord, position: int) -> Any:
+        ctx.record, ctx.position = record, position
+        ctx.set_materialize_grads(False)
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
+        return grad, None, None
+
+
 def record_of(tensor: torch.Tensor) -> tuple[ForwardRecord, int] | None:
     """The record of the checkpoint that returned `tensor`, and the tensor's position among
     that forward's output tensors; None if no checkpoint returned it."""
     node = tensor.grad_fn
-    if not isinstance(node, _OutputGate._backward_cls):
+    if not isinstance(node, CheckpointOutput._backward_cls):
         return None
-    record: ForwardRecord = node.record
-    return record, record.output_positions[tensor.output_nr]
+    return node.record, node.position
