@@ -32,6 +32,7 @@ from ... import checkpoint_policies as cp
 from ..._layouts import TORCH_CHECKPOINT_KEYWORDS
 from ..._support.errors import CheckpointValueError
 from ..._support.warn import warn_once
+from .frames import refuse
 
 _NAME_OP = "xla_wrap::checkpoint_name"
 
@@ -49,11 +50,12 @@ def checkpoint(
     """`function(*args, **kwargs)` as the compiler's checkpoint, with the save `policy`.
     xla_wrap has one engine; under the compiler it is this op."""
     if offload_to_cpu:
-        raise CheckpointValueError(
+        refuse(
+            CheckpointValueError,
             f"{api}: offload_to_cpu=True is not supported inside torch.compile: the compiler "
             "decides where saved values live. Drop offload_to_cpu for the compiled model, or "
             "use an offload policy (offload_these_names) on a torch with "
-            "CheckpointPolicy.MUST_CPU_OFFLOAD."
+            "CheckpointPolicy.MUST_CPU_OFFLOAD.",
         )
     if any(k in TORCH_CHECKPOINT_KEYWORDS for k in kwargs):  # the function's, not torch's
         function, kwargs = functools.partial(function, **kwargs), {}
