@@ -38,8 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from ._support.checks import check_record, is_function
 from ._support.errors import CheckpointTypeError, CheckpointValueError, describe
 
 __all__ = [
@@ -99,6 +98,34 @@ class Op:
     shapes: tuple[tuple[int, ...], ...]
     nbytes: int
     input_shapes: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        # One is made per operation a save policy sees: exact types pass at a third of the
+        # cost of the general check, which decides (and words the refusal) for the rest.
+        if not _plain(self):
+            check_record("xla_wrap.checkpoint_policies.Op", self)
+
+
+def _plain(op: Op) -> bool:
+    return (
+        type(op.function) is str
+        and (op.name is None or type(op.name) is str)
+        and type(op.nbytes) is int
+        and _plain_shapes(op.shapes)
+        and _plain_shapes(op.input_shapes)
+    )
+
+
+def _plain_shapes(shapes: object) -> bool:
+    if type(shapes) is not tuple:
+        return False
+    for shape in shapes:  # loops, not all(): generators cost more than the check
+        if type(shape) is not tuple:
+            return False
+        for size in shape:
+            if type(size) is not int:
+                return False
+    return True
 
 
 SavePolicy = Callable[[Op], bool | Decision]
@@ -371,8 +398,14 @@ def save_and_offload_only_these_names(
         <Decision.OFFLOAD: 'offload'>
     """
     api = "save_and_offload_only_these_names"
-    saved = _names(api, tuple(names_which_can_be_saved), allow_empty=True)
-    offloaded = _names(api, tuple(names_which_can_be_offloaded), allow_empty=True)
+    saved = _names(
+        api, _name_list(api, "names_which_can_be_saved", names_which_can_be_saved), allow_empty=True
+    )
+    offloaded = _names(
+        api,
+        _name_list(api, "names_which_can_be_offloaded", names_which_can_be_offloaded),
+        allow_empty=True,
+    )
     both = saved & offloaded
     if both:
         raise CheckpointValueError(
@@ -406,9 +439,8 @@ def save_from_both_policies(policy_1: SavePolicy, policy_2: SavePolicy) -> SaveP
         >>> policy(cp.Op("checkpoint_name", "h", ((2, 8),), 64))
         <Decision.OFFLOAD: 'offload'>
     """
-    return _Both(
-        resolve("save_from_both_policies", policy_1), resolve("save_from_both_policies", policy_2)
-    )
+    api = "xla_wrap.checkpoint_policies.save_from_both_policies"
+    return _Both(resolve(api, policy_1), resolve(api, policy_2))
 
 
 @dataclass(frozen=True)
@@ -453,8 +485,7 @@ def resolve(api: str, policy: object) -> SavePolicy:
                 "functions: `policy=checkpoint_policies.save_only_these_names('attn')`."
             )
         return found
-    # A class, a module or a tensor is callable or looks it, and is never a policy.
-    if not callable(policy) or isinstance(policy, (type, torch.nn.Module, torch.Tensor)):
+    if not is_function(policy):
         raise CheckpointTypeError(
             f"{api}: expected a policy (a function of xla_wrap.checkpoint_policies, its name, or "
             f"a callable taking an Op), got {describe(policy)}."
@@ -474,6 +505,17 @@ def decide(policy: SavePolicy, op: Op) -> Decision:
         f"xla_wrap.checkpoint_policies: the policy {name} returned {describe(answer)} for "
         f"{op}; a policy returns True (keep), False (recompute) or a Decision."
     )
+
+
+def _name_list(api: str, argument: str, names: object) -> tuple[object, ...]:
+    """`names` as a tuple, if it is a list, tuple or set of them. A lone string would split into
+    its letters, so it is refused."""
+    if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
+        raise CheckpointTypeError(
+            f"xla_wrap.checkpoint_policies.{api}: expected a list of names as `{argument}`, got "
+            f"{describe(names)}. Pass a list, even of one name: `{argument}=['attn_out']`."
+        )
+    return tuple(names)
 
 
 def _names(api: str, names: tuple[object, ...], *, allow_empty: bool = False) -> frozenset[str]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ._support.checks import is_int
+from ._support.checks import is_function, is_int
 from ._support.errors import CheckpointTypeError, CheckpointValueError, describe
 
 __all__ = [
@@ -335,9 +335,10 @@ def by_predicate(predicate: Callable[[nn.Module], bool]) -> WrapPolicy:
         >>> [name for name, _ in wide.select(model)]
         ['0']
     """
-    if not callable(predicate):
+    if not is_function(predicate):
         raise CheckpointTypeError(
-            f"xla_wrap.wrap_policies.by_predicate: expected a callable, got {describe(predicate)}."
+            "xla_wrap.wrap_policies.by_predicate: expected a function of a module returning a "
+            f"bool, got {describe(predicate)}. To select by class, use `by_type(cls)`."
         )
     return _ByPredicate(predicate)
 

@@ -198,7 +198,8 @@ def test_policy_reprs_say_what_they_select() -> None:
         (lambda: wp.every_nth(wp.by_name("*"), True), TypeError, "ints as `n` and `offset`"),
         (lambda: wp.every_nth(wp.by_name("*"), 2, offset=1.0), TypeError, "ints as"),
         (lambda: wp.by_name(), TypeError, "patterns as strings"),
-        (lambda: wp.by_predicate(3), TypeError, "expected a callable"),
+        (lambda: wp.by_predicate(3), TypeError, "expected a function of a module"),
+        (lambda: wp.by_predicate(nn.Linear), TypeError, "To select by class, use `by_type"),
         (
             lambda: wp.every_nth(wp.by_name("*"), 0),
             ValueError,

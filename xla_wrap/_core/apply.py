@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from .._support.checks import check_module
+from .._support.checks import check_module, is_function
 from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
 from ..wrap_policies import WrapPolicy
 from . import hooks as _hooks
@@ -99,7 +99,7 @@ def apply_activation_checkpointing(
         check_fn, auto_wrap_policy = None, check_fn
     if auto_wrap_policy is not None:
         check_fn = _from_fsdp_policy(api, auto_wrap_policy, model)
-    if not (isinstance(check_fn, WrapPolicy) or callable(check_fn)):
+    if not (isinstance(check_fn, WrapPolicy) or is_function(check_fn)):
         raise CheckpointTypeError(
             f"{api}: expected a callable `check_fn(module) -> bool` or a wrap policy "
             "(xla_wrap.wrap_policies; or an FSDP policy as `auto_wrap_policy=`), got "

@@ -4,6 +4,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import checkpoint_policies as cp
+from .._support.checks import check_flag
 from .._support.errors import CheckpointTypeError, describe
 
 # The keyword options every checkpointing API accepts. `use_reentrant` is PyTorch's keyword,
@@ -115,12 +116,3 @@ def make_options(
     return CheckpointOptions(
         preserve_rng_state=preserve_rng_state, policy=resolved, offload_to_cpu=offload_to_cpu
     )
-
-
-def check_flag(api: str, name: str, value: object) -> None:
-    """Refuse a flag that is not a bool: a tensor, a string or a number would be read as
-    true or false without saying so."""
-    if not isinstance(value, bool):
-        raise CheckpointTypeError(
-            f"{api}: expected True or False as `{name}`, got {describe(value)}."
-        )

@@ -255,8 +255,9 @@ def unwrap(module: nn.Module) -> nn.Module:
         `module`.
 
     Raises:
-        CheckpointTypeError: If another library derived a class from the checkpointed one
-            since (FSDP2's `fully_shard`), which cannot be undone without undoing that.
+        CheckpointTypeError: If `module` is not an `nn.Module`, or another library derived a
+            class from the checkpointed one since (FSDP2's `fully_shard`), which cannot be
+            undone without undoing that.
 
     Examples:
         >>> import torch, xla_wrap
@@ -264,6 +265,7 @@ def unwrap(module: nn.Module) -> nn.Module:
         >>> type(xla_wrap.unwrap(layer)) is torch.nn.Linear
         True
     """
+    check_module("xla_wrap.unwrap", module, "an nn.Module as `module`")
     if not isinstance(module, CheckpointWrapper):
         return module
     cls = type(module)

@@ -17,6 +17,7 @@ from .._core.wrapper import checkpoint_wrapper
 from .._layouts import is_fsdp_unit as is_unit
 from .._paths import xla as _xla
 from .._plan.checkpoint_plan import CheckpointPlan
+from .._support.checks import check_module, is_function
 from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
 from .._support.tree import Flat
 from ..wrap_policies import WrapPolicy
@@ -42,6 +43,7 @@ def auto_wrap_policy(policy: WrapPolicy, model: nn.Module) -> Callable[..., bool
         recurse, and, for a module, whether `policy` selected it.
 
     Raises:
+        CheckpointTypeError: If `policy` is not a wrap policy or `model` not an `nn.Module`.
         CheckpointValueError: If `model` already contains FSDP units.
 
     Examples:
@@ -54,6 +56,13 @@ def auto_wrap_policy(policy: WrapPolicy, model: nn.Module) -> Callable[..., bool
         >>> callback(module=model[1], recurse=False, unwrapped_params=0)
         False
     """
+    api = "xla_wrap.fsdp.auto_wrap_policy"
+    if not isinstance(policy, WrapPolicy):
+        raise CheckpointTypeError(
+            f"{api}: expected a policy of xla_wrap.wrap_policies as `policy`, got "
+            f"{describe(policy)}. Example: `wrap_policies.by_type(Block)`."
+        )
+    check_module(api, model, "the model about to be given to FSDP as `model`")
     units = fsdp_units(model)
     if units:
         raise CheckpointValueError(
@@ -93,8 +102,8 @@ def auto_wrapper_callable(
         FSDP's arguments, it returns the FSDP unit.
 
     Raises:
-        CheckpointTypeError: If an option is unknown or has the wrong type, or `plan` is not
-            a `CheckpointPlan` or is given with other options.
+        CheckpointTypeError: If an option is unknown or has the wrong type, `fsdp_class` is
+            not a class, or `plan` is not a `CheckpointPlan` or is given with other options.
         CheckpointValueError: If the save `policy` is unknown.
         ImportError: If `fsdp_class` is omitted and torch_xla is not installed.
     """
@@ -106,7 +115,12 @@ def auto_wrapper_callable(
             f"plan chooses them per unit), got plan={describe(plan)} and "
             f"{sorted(checkpoint_options)}. Pass one or the other."
         )
-    fsdp = fsdp_class or _xla.xla_fsdp_class()
+    if fsdp_class is not None and not (isinstance(fsdp_class, type) or is_function(fsdp_class)):
+        raise CheckpointTypeError(
+            f"{api}: expected an FSDP class as `fsdp_class` (or None for torch_xla's "
+            f"XlaFullyShardedDataParallel), got {describe(fsdp_class)}."
+        )
+    fsdp = _xla.xla_fsdp_class() if fsdp_class is None else fsdp_class
 
     def build(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         chosen = options if plan is None else plan.options_of(module)
@@ -134,12 +148,16 @@ def fsdp_units(model: nn.Module) -> list[str]:
         The units' qualified names in `named_modules` order (`""` for the model itself);
         empty if FSDP has not wrapped anything in `model`.
 
+    Raises:
+        CheckpointTypeError: If `model` is not an `nn.Module`.
+
     Examples:
         >>> import torch
         >>> from xla_wrap import fsdp
         >>> fsdp.fsdp_units(torch.nn.Sequential(torch.nn.Linear(2, 2)))
         []
     """
+    check_module("xla_wrap.fsdp.fsdp_units", model, "an nn.Module as `model`")
     return [name for name, module in model.named_modules() if is_unit(module)]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._paths import xla as _xla
-from .._support.checks import check_text
+from .._support.checks import check_record, check_text, is_function
 from .._support.errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from .._support.flags import append_xla_flags, flag_values
 from . import hlo as _hlo
@@ -79,6 +79,9 @@ class CompiledProgram:
     temporary_bytes: int
     optimized_hlo: str
 
+    def __post_init__(self) -> None:
+        check_record("xla_wrap.introspect.CompiledProgram", self)
+
     @property
     def total_mib(self) -> float:
         """`total_bytes` in MiB."""
@@ -109,7 +112,14 @@ class CompiledProgram:
         Returns:
             The number of such instructions (see
             [`count_instructions()`][xla_wrap.introspect.count_instructions]).
+
+        Raises:
+            CheckpointTypeError: If `opcode` or `reading` is not a string.
         """
+        api = "xla_wrap.introspect.CompiledProgram.count"
+        check_text(api, "opcode", opcode)
+        if reading is not None:
+            check_text(api, "reading", reading)
         return _hlo.count_instructions(self.optimized_hlo, opcode, reading=reading)
 
 
@@ -133,7 +143,9 @@ def pending_hlo(tensors: Sequence[torch.Tensor]) -> str:
             an XLA device.
     """
     api = "xla_wrap.introspect.pending_hlo"
-    if not isinstance(tensors, Sequence) or not all(isinstance(t, torch.Tensor) for t in tensors):
+    if not isinstance(tensors, (list, tuple)) or not all(
+        isinstance(t, torch.Tensor) for t in tensors
+    ):
         raise CheckpointTypeError(f"{api}: expected a list of tensors, got {describe(tensors)}.")
     if not tensors:
         raise CheckpointValueError(
@@ -159,6 +171,9 @@ def dump_directory(xla_flags: str | None = None) -> Path | None:
         The directory of the first `--xla_dump_to` flag with a value, or `None` if there is
         none.
 
+    Raises:
+        CheckpointTypeError: If `xla_flags` is neither a string nor None.
+
     Examples:
         >>> from xla_wrap import introspect
         >>> introspect.dump_directory("--xla_dump_to=/tmp/dumps --xla_dump_hlo_as_text")
@@ -166,6 +181,8 @@ def dump_directory(xla_flags: str | None = None) -> Path | None:
         >>> introspect.dump_directory("") is None
         True
     """
+    if xla_flags is not None:
+        check_text("xla_wrap.introspect.dump_directory", "xla_flags", xla_flags)
     directories = [value for value in flag_values("--xla_dump_to", xla_flags) if value]
     return Path(directories[0]) if directories else None
 
@@ -188,8 +205,14 @@ def enable_compile_dumps(directory: str | os.PathLike[str] | None = None) -> Pat
         The dump directory.
 
     Raises:
+        CheckpointTypeError: If `directory` is neither a path nor None.
         CheckpointError: If the XLA runtime has already started without dumps.
     """
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise CheckpointTypeError(
+            "xla_wrap.introspect.enable_compile_dumps: expected a directory path (a str or "
+            f"pathlib.Path) or None as `directory`, got {describe(directory)}."
+        )
     existing = dump_directory()
     if existing is not None:
         return existing
@@ -226,14 +249,26 @@ def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
         while `step` ran, sorted by `total_bytes`, largest first.
 
     Raises:
+        CheckpointTypeError: If `step` is not a function.
         CheckpointValueError: If XLA is not dumping (see
             [`enable_compile_dumps()`][xla_wrap.introspect.enable_compile_dumps]) or the
             step compiled nothing.
     """
+    return _programs("xla_wrap.introspect.compiled_programs", step)
+
+
+def _programs(api: str, step: Callable[[], Any]) -> list[CompiledProgram]:
+    """[`compiled_programs()`][xla_wrap.introspect.compiled_programs], with `api` naming the
+    caller in errors."""
+    if not is_function(step):
+        raise CheckpointTypeError(
+            f"{api}: expected the step as a function of no arguments, got {describe(step)}. "
+            "Example: `compiled_memory(lambda: train_step(batch))`."
+        )
     directory = dump_directory()
     if directory is None:
         raise CheckpointValueError(
-            "xla_wrap.introspect.compiled_programs: expected XLA to dump its compilations, got "
+            f"{api}: expected XLA to dump its compilations, got "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}. Call "
             "`introspect.enable_compile_dumps()` before the first XLA device is created, or "
             "start Python with XLA_FLAGS=--xla_dump_to=DIR."
@@ -264,7 +299,7 @@ def compiled_programs(step: Callable[[], Any]) -> list[CompiledProgram]:
         path.unlink(missing_ok=True)
     if not programs:
         raise CheckpointValueError(
-            "xla_wrap.introspect.compiled_programs: expected `step` to compile a program, got "
+            f"{api}: expected `step` to compile a program, got "
             "none (it came from the compilation cache, or `step` did not call "
             "torch_xla.sync()). Measure each configuration once per process, and sync inside "
             "`step`."
@@ -291,6 +326,9 @@ class RecomputeCost:
     extra_flops: int
     flops_ratio: float
 
+    def __post_init__(self) -> None:
+        check_record("xla_wrap.introspect.RecomputeCost", self)
+
 
 def recompute_cost(plain: CompiledProgram, checkpointed: CompiledProgram) -> RecomputeCost:
     """The dot and convolution work that checkpointing adds to a step.
@@ -308,11 +346,20 @@ def recompute_cost(plain: CompiledProgram, checkpointed: CompiledProgram) -> Rec
     Returns:
         The differences, `checkpointed` minus `plain`, and the FLOP ratio.
 
+    Raises:
+        CheckpointTypeError: If `plain` or `checkpointed` is not a `CompiledProgram`.
+
     Examples:
         >>> cost = introspect.recompute_cost(plain, checkpointed)  # doctest: +SKIP
         >>> cost.flops_ratio  # doctest: +SKIP
         1.32
     """
+    for name, program in (("plain", plain), ("checkpointed", checkpointed)):
+        if not isinstance(program, CompiledProgram):
+            raise CheckpointTypeError(
+                f"xla_wrap.introspect.recompute_cost: expected a CompiledProgram as `{name}`, got "
+                f"{describe(program)}. Pass what introspect.compiled_memory() returns."
+            )
     plain_flops = plain.flops
     extra = checkpointed.flops - plain_flops
     return RecomputeCost(
@@ -338,9 +385,10 @@ def compiled_memory(step: Callable[[], Any]) -> CompiledProgram:
         The program with the largest `total_bytes` compiled while `step` ran.
 
     Raises:
+        CheckpointTypeError: If `step` is not a function.
         CheckpointValueError: If XLA is not dumping, or the step compiled nothing.
     """
-    return compiled_programs(step)[0]
+    return _programs("xla_wrap.introspect.compiled_memory", step)[0]
 
 
 def _files(directory: Path) -> set[Path]:

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .._core.engine import is_buffer_copy
 from .._paths import xla as _xla
+from .._support.checks import check_record
 from .._support.errors import CheckpointTypeError, describe
 
 
@@ -43,6 +44,9 @@ class Residual:
     nbytes: int
     kind: str
     made_by: str
+
+    def __post_init__(self) -> None:
+        check_record("xla_wrap.introspect.Residual", self)
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape)) or "scalar"

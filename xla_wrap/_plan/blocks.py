@@ -221,7 +221,7 @@ def checked_choices(
     choice names and against those `supported` here (`where` says why one is not)."""
     if choices is None:
         return (NONE, *supported)
-    if isinstance(choices, str) or not all(isinstance(c, str) for c in choices):
+    if not isinstance(choices, (list, tuple)) or not all(isinstance(c, str) for c in choices):
         raise CheckpointTypeError(
             f"{API}: expected a sequence of choice names as `choices`, got "
             f'{describe(choices)}. Example: `choices=("full",)`.'

@@ -14,7 +14,7 @@ from .. import checkpoint_policies as cp
 from .._core.options import CheckpointOptions, make_options
 from .._core.wrapper import checkpoint_in_place
 from .._layouts import names_without_wrappers
-from .._support.checks import check_module
+from .._support.checks import check_module, check_record
 from .._support.errors import CheckpointValueError
 from .cost_model import DOTS, FULL, NONE, OFFLOAD, BlockCost
 
@@ -96,6 +96,15 @@ class CheckpointPlan:
         default_factory=weakref.WeakKeyDictionary, repr=False, compare=False
     )
 
+    def __post_init__(self) -> None:
+        check_record("xla_wrap.CheckpointPlan", self)
+        unknown = sorted({c for c in self.choices.values() if c not in (NONE, DOTS, FULL, OFFLOAD)})
+        if unknown:
+            raise CheckpointValueError(
+                f"xla_wrap.CheckpointPlan: expected choices among {NONE}, {DOTS}, {FULL}, "
+                f"{OFFLOAD}, got {unknown}."
+            )
+
     @property
     def checkpointed(self) -> dict[str, str]:
         """The blocks the plan checkpoints, with their choices (empty: checkpoint nothing)."""
@@ -122,7 +131,11 @@ class CheckpointPlan:
 
         Returns:
             The options to checkpoint `module` with, or `None`.
+
+        Raises:
+            CheckpointTypeError: If `module` is not an `nn.Module`.
         """
+        check_module("xla_wrap.CheckpointPlan.options_of", module, "an nn.Module as `module`")
         name = self._names.get(module)
         if name is None:
             return None

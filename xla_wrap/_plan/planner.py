@@ -34,7 +34,7 @@ from .._inspect import programs as introspect
 from .._inspect import residuals as _residuals
 from .._paths import xla as _xla
 from .._support import fingerprint
-from .._support.checks import check_module
+from .._support.checks import check_flag, check_module
 from .._support.errors import (
     BudgetUnreachableError,
     CheckpointError,
@@ -160,6 +160,7 @@ def plan_checkpointing(
     """
     model = check_module(API, model, "the nn.Module to plan for")
     check_budget(budget)
+    check_flag(API, "progress", progress)
     loss_fn = summed if loss is None else checked_loss(loss)
     if not any(_xla.is_xla_tensor(t) for t in (*model.parameters(), *model.buffers())):
         check_compiled_model(model)

@@ -181,6 +181,9 @@ class _LayerStack:
                 f"{type(layers).__qualname__}. Pass the list its forward loops over."
             )
         try:
+            # A mapping or a set has no order to run in: never the layers of a loop.
+            if isinstance(layers, (dict, set, frozenset, str, bytes)):
+                raise TypeError
             items = tuple(layers)
         except TypeError:
             raise CheckpointTypeError(

@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from .. import _paths
 from .. import checkpoint_policies as cp
 from .._core.options import make_options
-from .._support.checks import check_module
+from .._support.checks import check_flag, check_module, is_function
 from .._support.errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from . import stacked_parameters as _stacked
 from .loops import _LayerStack, checkpoint_layer, run_scan
@@ -70,10 +71,10 @@ class ScannedLayers(nn.ModuleList):
         offload_to_cpu: bool = False,
         stack_parameters: bool = False,
     ) -> None:
-        super().__init__(modules)
         api = "xla_wrap.ScannedLayers"
+        super().__init__(_modules_of(api, modules))
         self.__dict__[_OPTIONS] = _scan_options(api, policy, offload_to_cpu)
-        if stack_parameters:
+        if check_flag(api, "stack_parameters", stack_parameters):
             _stack(api, self)
 
     @property
@@ -306,6 +307,12 @@ def apply_scan(
         "Pass the model whose layer lists should be scanned.",
     )
     options = _scan_options(api, policy, offload_to_cpu)
+    check_flag(api, "stack_parameters", stack_parameters)
+    if check_fn is not None and not is_function(check_fn):
+        raise CheckpointTypeError(
+            f"{api}: expected a function `check_fn(layer) -> bool` (or None, for every layer "
+            f"list), got {describe(check_fn)}. Example: `check_fn=lambda m: isinstance(m, Block)`."
+        )
     found = []
     reasons = []
     inside: set[int] = set()  # modules within a list already chosen: scanned with it
@@ -371,3 +378,21 @@ def unscan(layers: ScannedLayers) -> nn.ModuleList:
     plain.__dict__.pop(_OPTIONS, None)
     plain.__class__ = nn.ModuleList
     return plain
+
+
+def _modules_of(api: str, modules: object) -> list[nn.Module] | None:
+    """`modules` as a list, if it is an iterable of modules (or None)."""
+    if modules is None:
+        return None
+    if isinstance(modules, (str, bytes, dict, torch.Tensor)) or not isinstance(modules, Iterable):
+        raise CheckpointTypeError(
+            f"{api}: expected an iterable of nn.Module layers as `modules`, got "
+            f"{describe(modules)}. Example: `ScannedLayers(Block() for _ in range(n))`."
+        )
+    layers = list(modules)
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise CheckpointTypeError(
+                f"{api}: expected nn.Module layers, got {describe(layer)} at position {index}."
+            )
+    return layers

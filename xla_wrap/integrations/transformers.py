@@ -40,7 +40,7 @@ from .._core.wrapper import CheckpointWrapper, unwrap
 from .._paths import xla as _xla
 from .._plan.checkpoint_plan import CheckpointPlan
 from .._scan.module_list import ScannedLayers, apply_scan, unscan
-from .._support.checks import is_int
+from .._support.checks import check_flag, is_int
 from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
 from .._support.tree import Flat
 
@@ -97,22 +97,30 @@ def gradient_checkpointing_enable(
     Raises:
         ImportError: If transformers is not installed.
         CheckpointTypeError: If `model` is not a `PreTrainedModel`, `plan` is not a
-            `CheckpointPlan`, or an option is unknown or has the wrong type.
+            `CheckpointPlan`, `every_n_layers` is not an int, `scan` or `stack_parameters`
+            not a bool, or an option is unknown or has the wrong type.
         CheckpointValueError: If the model does not support gradient checkpointing (or
             overrides transformers' pre-4.35 `_set_gradient_checkpointing`),
-            `every_n_layers` is not a positive integer, `stack_parameters` is given without
+            `every_n_layers` is below 1, `stack_parameters` is given without
             `scan`, `scan` is given with `every_n_layers` or options other than `policy` and
             `offload_to_cpu`, `plan` comes with other options,
             or the save `policy` is unknown.
     """
     api = "xla_wrap.integrations.transformers.gradient_checkpointing_enable"
     _check_model(api, model)
-    if not is_int(every_n_layers) or every_n_layers < 1:
+    if not is_int(every_n_layers):
+        raise CheckpointTypeError(
+            f"{api}: expected a positive integer as `every_n_layers`, got "
+            f"{describe(every_n_layers)}. Pass 1 to checkpoint every layer, 2 for every other one."
+        )
+    if every_n_layers < 1:
         raise CheckpointValueError(
             f"{api}: expected a positive integer as `every_n_layers`, got {every_n_layers!r}. "
             "Pass 1 to checkpoint every layer, 2 for every other one."
         )
     options = options_from(api, checkpoint_options)
+    check_flag(api, "scan", scan)
+    check_flag(api, "stack_parameters", stack_parameters)
     if stack_parameters and not scan:
         raise CheckpointValueError(
             f"{api}: stack_parameters=True stores a scanned stack's parameters; got it "
@@ -233,10 +241,7 @@ def install(*, everywhere: bool = False) -> None:
         CheckpointTypeError: If `everywhere` is not a bool.
     """
     api = "xla_wrap.integrations.transformers.install"
-    if not isinstance(everywhere, bool):
-        raise CheckpointTypeError(
-            f"{api}: expected True or False as `everywhere`, got {describe(everywhere)}."
-        )
+    check_flag(api, "everywhere", everywhere)
     modeling = _modeling_utils(api)
     if _ORIGINALS not in vars(modeling):
         originals = {"checkpoint": modeling.checkpoint}

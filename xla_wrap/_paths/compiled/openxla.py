@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..._support.errors import CheckpointError
+from ..._support.errors import CheckpointError, CheckpointTypeError, describe
 from .. import xla
 from .barriers import with_region_barriers
 
@@ -48,10 +48,23 @@ def openxla_backend(
 
     Raises:
         CheckpointError: If torch_xla is not installed.
+        CheckpointTypeError: If `graph_module` is not an FX graph or `example_inputs` not a
+            list of them.
 
     Examples:
         >>> model = torch.compile(model, backend=xla_wrap.openxla_backend)  # doctest: +SKIP
     """
+    if not isinstance(graph_module, fx.GraphModule):
+        raise CheckpointTypeError(
+            f"{API}: expected the FX graph Dynamo captured (a torch.fx.GraphModule) as "
+            f"`graph_module`, got {describe(graph_module)}. Pass the backend itself to "
+            "torch.compile: `torch.compile(model, backend=xla_wrap.openxla_backend)`."
+        )
+    if not isinstance(example_inputs, (list, tuple)):
+        raise CheckpointTypeError(
+            f"{API}: expected a list of example inputs as `example_inputs`, got "
+            f"{describe(example_inputs)}. Dynamo passes them; pass the backend to torch.compile."
+        )
     if not xla.installed():
         raise CheckpointError(
             f"{API}: expected torch_xla (the openxla backend compiles through it), got none "
