@@ -510,7 +510,7 @@ def decide(policy: SavePolicy, op: Op) -> Decision:
 def _name_list(api: str, argument: str, names: object) -> tuple[object, ...]:
     """`names` as a tuple, if it is a list, tuple or set of them. A lone string would split into
     its letters, so it is refused."""
-    if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
+    if not isinstance(names, (list, tuple, set, frozenset)):
         raise CheckpointTypeError(
             f"xla_wrap.checkpoint_policies.{api}: expected a list of names as `{argument}`, got "
             f"{describe(names)}. Pass a list, even of one name: `{argument}=['attn_out']`."

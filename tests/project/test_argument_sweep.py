@@ -73,10 +73,6 @@ def _step(module: Any) -> None:
     out.sum().backward()
 
 
-def _stepped(value: Any) -> None:
-    _step(value)
-
-
 def _save_policy_used(policy: Any) -> None:
     x = _x()
     xla_wrap.checkpoint(lambda h: (h @ h).tanh(), x, policy=policy).sum().backward()
@@ -118,7 +114,7 @@ def _residuals() -> list[introspect.Residual]:
     return introspect.saved_residuals(_linear(), _x())
 
 
-def _program(flops: int = 0) -> introspect.CompiledProgram:
+def _program() -> introspect.CompiledProgram:
     return introspect.CompiledProgram(
         name="step",
         total_bytes=64,
@@ -166,8 +162,9 @@ def _has_xla() -> bool:
 def _xla_step() -> None:
     import torch_xla
 
-    (torch.ones(2, device=torch_xla.device()) * 3).sum()
-    torch_xla.sync()
+    total = (torch.ones(2, device=torch_xla.device()) * 3).sum()
+    torch_xla.sync()  # runs the pending graph of `total`, still alive here
+    del total
 
 
 def _xla_tensors() -> list[torch.Tensor]:
@@ -270,7 +267,7 @@ TARGETS = [
             "module": _linear(),
             **_OPTIONS,
         },
-        _stepped,
+        _step,
     ),
     Target(
         "xla_wrap.checkpoint_sequential",
@@ -303,7 +300,7 @@ TARGETS = [
         "xla_wrap.apply_activation_checkpointing",
         lambda model, **o: xla_wrap.apply_activation_checkpointing(model, **o),
         lambda: {"model": _model(), "check_fn": wp.by_type(nn.Linear)},
-        _stepped,
+        _step,
     ),
     Target(
         "xla_wrap.ScannedLayers",
@@ -326,7 +323,7 @@ TARGETS = [
             "offload_to_cpu": False,
             "stack_parameters": False,
         },
-        _stepped,
+        _step,
     ),
     Target(
         "xla_wrap.scan_layers",
@@ -350,7 +347,7 @@ TARGETS = [
         "xla_wrap.unwrap",
         xla_wrap.unwrap,
         lambda: {"module": xla_wrap.checkpoint_wrapper(_linear())},
-        _stepped,
+        _step,
     ),
     Target(
         "xla_wrap.checkpoint_name",
@@ -526,7 +523,7 @@ TARGETS = [
         "xla_wrap.CheckpointPlan.apply",
         lambda model: _plan().apply(model),
         lambda: {"model": _blocks()},
-        _stepped,
+        _step,
     ),
     Target(
         "xla_wrap.CheckpointPlan.options_of",
@@ -667,8 +664,7 @@ def _same_kind(value: Any, valid: Any) -> bool:
 
 def _attack(target: Target, argument: str, value: Any) -> None:
     arguments = target.valid()
-    arguments[argument] = value
-    valid = target.valid()[argument]
+    valid, arguments[argument] = arguments[argument], value
     try:
         result = target.call(**arguments)
     except (xla_wrap.CheckpointTypeError, xla_wrap.CheckpointValueError) as error:

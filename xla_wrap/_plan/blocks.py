@@ -23,7 +23,7 @@ from .._support.checks import is_number
 from .._support.errors import CheckpointTypeError, CheckpointValueError, describe
 from ..wrap_policies import WrapPolicy
 from .checkpoint_plan import options_for
-from .cost_model import DOTS, FULL, NONE, OFFLOAD
+from .cost_model import CHOICES, DOTS, FULL, NONE, OFFLOAD
 
 API = "xla_wrap.plan_checkpointing"
 
@@ -226,7 +226,7 @@ def checked_choices(
             f"{API}: expected a sequence of choice names as `choices`, got "
             f'{describe(choices)}. Example: `choices=("full",)`.'
         )
-    unknown = [c for c in choices if c not in (NONE, DOTS, FULL, OFFLOAD)]
+    unknown = [c for c in choices if c not in CHOICES]
     if unknown or not choices:
         raise CheckpointValueError(
             f"{API}: expected `choices` among {', '.join((DOTS, FULL, OFFLOAD))}, got "

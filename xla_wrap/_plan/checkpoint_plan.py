@@ -16,7 +16,7 @@ from .._core.wrapper import checkpoint_in_place
 from .._layouts import names_without_wrappers
 from .._support.checks import check_module, check_record
 from .._support.errors import CheckpointValueError
-from .cost_model import DOTS, FULL, NONE, OFFLOAD, BlockCost
+from .cost_model import CHOICES, DOTS, FULL, NONE, OFFLOAD, BlockCost
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -98,11 +98,11 @@ class CheckpointPlan:
 
     def __post_init__(self) -> None:
         check_record("xla_wrap.CheckpointPlan", self)
-        unknown = sorted({c for c in self.choices.values() if c not in (NONE, DOTS, FULL, OFFLOAD)})
+        unknown = sorted({c for c in self.choices.values() if c not in CHOICES})
         if unknown:
             raise CheckpointValueError(
-                f"xla_wrap.CheckpointPlan: expected choices among {NONE}, {DOTS}, {FULL}, "
-                f"{OFFLOAD}, got {unknown}."
+                f"xla_wrap.CheckpointPlan: expected choices among {', '.join(CHOICES)}, got "
+                f"{unknown}."
             )
 
     @property

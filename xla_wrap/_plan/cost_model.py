@@ -31,6 +31,8 @@ DOTS = "dots_saveable"
 FULL = "full"
 #: Keep every activation in host memory; recompute nothing (backends with host offload only).
 OFFLOAD = "offload"
+#: Every choice a plan can make for a block.
+CHOICES = (NONE, DOTS, FULL, OFFLOAD)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ masks. The stream differs from the unscanned loop's (docs/scan.md).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +159,30 @@ def run_scan(
     return _scan(stack, carry, constants, options)
 
 
+def layer_sequence(api: str, layers: object) -> tuple[nn.Module, ...]:
+    """`layers` as a tuple of modules in loop order, or a CheckpointTypeError naming `api`."""
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        raise CheckpointTypeError(
+            f"{api}: expected a sequence of layers (a list or an nn.ModuleList), got one module "
+            f"{type(layers).__qualname__}. Pass the list its forward loops over."
+        )
+    # A mapping or a set has no order to run in; a string or a tensor is no list of layers.
+    unordered = (dict, set, frozenset, str, bytes, torch.Tensor)
+    if isinstance(layers, unordered) or not isinstance(layers, Iterable):
+        raise CheckpointTypeError(
+            f"{api}: expected a sequence of layers (a list or an nn.ModuleList), got "
+            f"{describe(layers)}."
+        )
+    items = tuple(layers)
+    for i, layer in enumerate(items):
+        if not isinstance(layer, nn.Module):
+            raise CheckpointTypeError(
+                f"{api}: expected nn.Module layers, got {describe(layer)} at position "
+                f"{i}. Pass modules; wrap a function as a module to scan it."
+            )
+    return items
+
+
 @dataclass(frozen=True)
 class _LayerStack:
     """The layers, checked to be alike: the first one runs as the template of all."""
@@ -175,31 +199,12 @@ class _LayerStack:
     @classmethod
     def of(cls, layers: Sequence[nn.Module], api: str = _API) -> _LayerStack:
         """The layers, checked; `api` names the caller in errors."""
-        if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            raise CheckpointTypeError(
-                f"{api}: expected a sequence of layers (an nn.ModuleList), got one module "
-                f"{type(layers).__qualname__}. Pass the list its forward loops over."
-            )
-        try:
-            # A mapping or a set has no order to run in: never the layers of a loop.
-            if isinstance(layers, (dict, set, frozenset, str, bytes)):
-                raise TypeError
-            items = tuple(layers)
-        except TypeError:
-            raise CheckpointTypeError(
-                f"{api}: expected a sequence of layers (an nn.ModuleList), got {describe(layers)}."
-            ) from None
+        items = layer_sequence(api, layers)
         if not items:
             raise CheckpointValueError(
                 f"{api}: expected at least one layer, got an empty sequence. With no layers "
                 "there is nothing to scan: call the code after the loop directly."
             )
-        for i, layer in enumerate(items):
-            if not isinstance(layer, nn.Module):
-                raise CheckpointTypeError(
-                    f"{api}: expected nn.Module layers, got {describe(layer)} at position "
-                    f"{i}. Pass modules; wrap a function as a module to scan it."
-                )
         first = items[0]
         slots = [_stacked.slot(layer) for layer in items]
         stacked_storage = slots[0] is not None

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
 from .. import _paths
@@ -25,7 +24,7 @@ from .._core.options import make_options
 from .._support.checks import check_flag, check_module, is_function
 from .._support.errors import CheckpointError, CheckpointTypeError, CheckpointValueError, describe
 from . import stacked_parameters as _stacked
-from .loops import _LayerStack, checkpoint_layer, run_scan
+from .loops import _LayerStack, checkpoint_layer, layer_sequence, run_scan
 
 M = TypeVar("M", bound=nn.Module)
 _OPTIONS = "_xla_wrap_scan_options"
@@ -53,6 +52,12 @@ class ScannedLayers(nn.ModuleList):
             flat in depth). `state_dict` still has one entry per layer; build optimizers
             after this. See docs/scan.md.
 
+    Raises:
+        CheckpointTypeError: If `modules` is not a sequence of modules, `offload_to_cpu` or
+            `stack_parameters` is not a bool, or `policy` is not a policy.
+        CheckpointValueError: If the save `policy` is unknown, or, with `stack_parameters`,
+            the layers' parameters cannot be stacked.
+
     Examples:
         >>> import torch, xla_wrap
         >>> layers = xla_wrap.ScannedLayers(torch.nn.Linear(8, 8) for _ in range(4))
@@ -72,7 +77,7 @@ class ScannedLayers(nn.ModuleList):
         stack_parameters: bool = False,
     ) -> None:
         api = "xla_wrap.ScannedLayers"
-        super().__init__(_modules_of(api, modules))
+        super().__init__(None if modules is None else layer_sequence(api, modules))
         self.__dict__[_OPTIONS] = _scan_options(api, policy, offload_to_cpu)
         if check_flag(api, "stack_parameters", stack_parameters):
             _stack(api, self)
@@ -378,21 +383,3 @@ def unscan(layers: ScannedLayers) -> nn.ModuleList:
     plain.__dict__.pop(_OPTIONS, None)
     plain.__class__ = nn.ModuleList
     return plain
-
-
-def _modules_of(api: str, modules: object) -> list[nn.Module] | None:
-    """`modules` as a list, if it is an iterable of modules (or None)."""
-    if modules is None:
-        return None
-    if isinstance(modules, (str, bytes, dict, torch.Tensor)) or not isinstance(modules, Iterable):
-        raise CheckpointTypeError(
-            f"{api}: expected an iterable of nn.Module layers as `modules`, got "
-            f"{describe(modules)}. Example: `ScannedLayers(Block() for _ in range(n))`."
-        )
-    layers = list(modules)
-    for index, layer in enumerate(layers):
-        if not isinstance(layer, nn.Module):
-            raise CheckpointTypeError(
-                f"{api}: expected nn.Module layers, got {describe(layer)} at position {index}."
-            )
-    return layers
